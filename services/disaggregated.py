@@ -3,6 +3,7 @@
 Encoder publishes to the EC store; prefill reads embeddings by key (never pixels);
 the KV handoff crosses as bytes into a separate decode engine with its own pool.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -15,9 +16,8 @@ from services.decode.stage import DecodeStage
 from services.encoder.stage import EncoderStage
 from services.engine.config import EngineConfig
 from services.engine.sequence import FinishReason, SamplingParams
-from services.prefill.stage import PrefillStage
-from services.models.checkpoint import open_checkpoint
 from services.multimodal.prompt import PromptBuilder
+from services.prefill.stage import PrefillStage
 
 
 @dataclass
@@ -29,12 +29,11 @@ class Completion:
 
 class InProcessEPD:
     def __init__(self, checkpoint: str | Path, store: ECStore, engine: EngineConfig = EngineConfig()) -> None:
-        ckpt = open_checkpoint(checkpoint)
         self.store = store
-        self.encoder = EncoderStage(open_checkpoint(checkpoint), store)
-        self.prefill = PrefillStage(open_checkpoint(checkpoint), engine, store)
-        self.decode = DecodeStage(open_checkpoint(checkpoint), engine)
-        self.prompts = PromptBuilder(ckpt.root, self.encoder.processor, self.encoder.model_id)
+        self.encoder = EncoderStage(checkpoint, store)
+        self.prefill = PrefillStage(checkpoint, engine, store)
+        self.decode = DecodeStage(checkpoint, engine)
+        self.prompts = PromptBuilder(checkpoint, self.encoder.processor, self.encoder.model_id)
 
     def generate(self, requests: Sequence[tuple[Sequence[Mapping], SamplingParams]]) -> list[Completion]:
         results: dict[str, Completion] = {}

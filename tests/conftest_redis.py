@@ -55,8 +55,21 @@ def _start(binary: str, workdir: Path) -> tuple[subprocess.Popen, str]:
     log = workdir / "redis.log"
     for _ in range(_START_ATTEMPTS):
         port = _free_port()
-        cmd = [binary, "--port", str(port), "--save", "", "--appendonly", "no",
-               "--bind", "127.0.0.1", "--dir", str(workdir), "--logfile", str(log)]
+        cmd = [
+            binary,
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(workdir),
+            "--logfile",
+            str(log),
+        ]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         url = f"redis://127.0.0.1:{port}/0"
         if _wait_for_ping(proc, url):

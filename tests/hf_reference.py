@@ -1,4 +1,5 @@
 """The reference: Hugging Face transformers on the same checkpoint, with its own prompt processing."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """The in-process E -> P -> D path against Hugging Face `generate` on the same checkpoint."""
+
 import pytest
 
 from connectors.ec import FilesystemECStore, RedisECStore
@@ -27,13 +28,21 @@ def cases():
         "text-only": ([{"role": "user", "content": "Tell me a story about a red fox."}], []),
         "one-image": ([{"role": "user", "content": [image_part(one), text_part("What is in this picture?")]}], [one]),
         "three-images": (
-            [{"role": "user", "content": [image_part(wide), image_part(tall), image_part(square), text_part("Compare them.")]}],
+            [
+                {
+                    "role": "user",
+                    "content": [image_part(wide), image_part(tall), image_part(square), text_part("Compare them.")],
+                }
+            ],
             [wide, tall, square],
         ),
         "image-in-middle": (
             [
                 {"role": "system", "content": "You describe images."},
-                {"role": "user", "content": [text_part("Look at this:"), image_part(one), text_part("and say what you see.")]},
+                {
+                    "role": "user",
+                    "content": [text_part("Look at this:"), image_part(one), text_part("and say what you see.")],
+                },
             ],
             [one],
         ),
@@ -118,7 +127,9 @@ def test_stop_token_ids_and_max_tokens(epd):
     [full] = epd.generate([(messages, GREEDY)])
     stop_at = full.token_ids[5]
     first_index = full.token_ids.index(stop_at)
-    [stopped] = epd.generate([(messages, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, stop_token_ids=(stop_at,), ignore_eos=True))])
+    [stopped] = epd.generate(
+        [(messages, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, stop_token_ids=(stop_at,), ignore_eos=True))]
+    )
     assert stopped.token_ids == full.token_ids[: first_index + 1]
     assert stopped.finish_reason is FinishReason.STOP
     [short] = epd.generate([(messages, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))])

@@ -350,8 +350,14 @@ def test_codec_bad_magic() -> None:
 
 @pytest.mark.parametrize(
     "field_, value, match",
-    [("nbytes", 999, "nbytes"), ("shape", [4, 4], "nbytes"), ("width", 7, "width"),
-     ("dtype", "int64", "dtype"), ("shape", [4], "shape"), ("meta", {"a": 1}, "meta")],
+    [
+        ("nbytes", 999, "nbytes"),
+        ("shape", [4, 4], "nbytes"),
+        ("width", 7, "width"),
+        ("dtype", "int64", "dtype"),
+        ("shape", [4], "shape"),
+        ("meta", {"a": 1}, "meta"),
+    ],
 )
 def test_codec_header_mismatch(field_: str, value: object, match: str) -> None:
     header, payload = _split(encode_entry(_randn(2, 4)))
@@ -414,8 +420,14 @@ def _spawned_producers():
     """Start producers with the module so their torch import overlaps other tests."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     procs = [
-        subprocess.Popen([sys.executable, "-c", _PRODUCER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         text=True, cwd=REPO_ROOT, env=env)
+        subprocess.Popen(
+            [sys.executable, "-c", _PRODUCER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+            env=env,
+        )
         for _ in range(3)
     ]
     yield procs

@@ -1,4 +1,5 @@
 """Continuous batching: sequences decoded together give exactly what each gives alone."""
+
 import random
 
 import pytest

@@ -47,7 +47,7 @@ def _hf_name(original: str) -> str:
     if original.startswith("visual."):
         return "model." + original
     if original.startswith("model."):
-        return "model.language_model." + original[len("model."):]
+        return "model.language_model." + original[len("model.") :]
     return original
 
 
@@ -208,7 +208,7 @@ def _generate(model, tokenizer, text: str, images: list[Image.Image]) -> list[in
         out = model.generate(
             **inputs, **extra, max_new_tokens=48, min_new_tokens=48, do_sample=False, eos_token_id=None
         )
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def _noise_image(seed: int, size: tuple[int, int]) -> Image.Image:

@@ -66,9 +66,7 @@ def validate_key(key: str) -> str:
     if len(key) > MAX_KEY_LEN:
         raise ValueError(f"EC key is {len(key)} chars, max is {MAX_KEY_LEN}: {key[:40]!r}...")
     if not _KEY_RE.fullmatch(key):
-        raise ValueError(
-            f"EC key {key!r} is invalid: use only [0-9A-Za-z_.-], starting with a letter or digit"
-        )
+        raise ValueError(f"EC key {key!r} is invalid: use only [0-9A-Za-z_.-], starting with a letter or digit")
     return key
 
 

@@ -4,6 +4,7 @@ K/V travel token-major ([layers, 2, tokens, kv_heads, head_dim]) rather than as
 blocks, so sender and receiver may use different block sizes and block ids.
 Wire form: magic, 4-byte little-endian header length, JSON header, raw K/V bytes.
 """
+
 from __future__ import annotations
 
 import json

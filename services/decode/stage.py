@@ -3,6 +3,7 @@
 Holds only the language model and its own paged KV pool; continuous batching
 lets handed-off requests join between steps.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace

@@ -3,6 +3,7 @@
 Holds only the vision tower. Items are batched under a patch budget and never
 split; an item already in the store is not encoded again.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -6,6 +6,7 @@ to their slots first, then every sequence attends to its whole context through
 its block table. All index tensors are built once per step on the CPU and reused
 by every layer.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

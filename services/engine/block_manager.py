@@ -5,6 +5,7 @@ fit beside everything already promised, so a running sequence never runs out of
 blocks and nothing has to be preempted. Blocks are allocated lazily as tokens
 arrive; the unallocated rest of the promise is counted in `reserved`.
 """
+
 from __future__ import annotations
 
 from collections import deque

@@ -1,4 +1,5 @@
 """Configuration of a language-model engine (prefill, decode, or both)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """Multimodal features of a prompt: checking specs against the prompt, fetching them from the EC store."""
+
 from __future__ import annotations
 
 import torch

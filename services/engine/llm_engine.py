@@ -4,6 +4,7 @@ One step = schedule -> run -> sample -> apply stops. Role "both" prefills and
 decodes; "prefill" stops each request after its first token and keeps its KV
 blocks until they are exported; "decode" takes exported requests in and decodes.
 """
+
 from __future__ import annotations
 
 import time
@@ -83,7 +84,10 @@ class LLMEngine:
         sampling = SamplingParams(**{**state.sampling, "stop_token_ids": tuple(state.sampling["stop_token_ids"])})
         seq = Sequence(state.request_id, list(state.prompt_ids), sampling, output_ids=list(state.output_ids))
         seq.mrope_delta, seq.num_cached = state.mrope_delta, state.num_cached
-        if seq.max_total_tokens > self.max_model_len or self.blocks.blocks_for(seq.max_total_tokens) > self.blocks.num_blocks:
+        if (
+            seq.max_total_tokens > self.max_model_len
+            or self.blocks.blocks_for(seq.max_total_tokens) > self.blocks.num_blocks
+        ):
             raise RequestError(f"request {seq.request_id} does not fit this decode engine's context or KV pool")
         self.seqs[seq.request_id] = seq
         self._pending_kv[seq.request_id] = handoff
@@ -176,7 +180,9 @@ class LLMEngine:
         for f in seq.features:
             t, h, w = f.grid_thw
             if t * h * w != f.length * merge:
-                raise RequestError(f"feature {f.key!r}: grid {f.grid_thw} gives {t * h * w // merge} rows, spec says {f.length}")
+                raise RequestError(
+                    f"feature {f.key!r}: grid {f.grid_thw} gives {t * h * w // merge} rows, spec says {f.length}"
+                )
 
     def _features_ready(self, seq: Sequence) -> bool:
         if not seq.features or seq.request_id in self._ready:
@@ -238,7 +244,9 @@ class LLMEngine:
         cfg, kv = self.model_cfg, handoff.kv
         expected = (cfg.num_layers, 2, handoff.state.num_cached, cfg.num_kv_heads, cfg.head_dim)
         if tuple(kv.shape) != expected or kv.dtype != self.runner.kv_cache.dtype:
-            raise KVHandoffError(f"K/V {tuple(kv.shape)} {kv.dtype} does not match this engine's {expected} {self.runner.kv_cache.dtype}")
+            raise KVHandoffError(
+                f"K/V {tuple(kv.shape)} {kv.dtype} does not match this engine's {expected} {self.runner.kv_cache.dtype}"
+            )
         if handoff.state.request_id in self.seqs:
             raise KVHandoffError(f"request id {handoff.state.request_id!r} is already in use")
 

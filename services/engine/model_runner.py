@@ -3,6 +3,7 @@
 The runner sees block tables, never the allocator. Index tensors are built on the
 CPU and moved to the device once per step.
 """
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ A seeded request draws token i from a generator seeded with (seed, i), so its
 output does not depend on which engine, batch or device produced earlier tokens:
 a prefill engine and a decode engine continue one stream of randomness.
 """
+
 from __future__ import annotations
 
 import torch

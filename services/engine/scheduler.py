@@ -3,6 +3,7 @@
 Prompts whose embeddings are not yet in the EC store stay in the queue without
 holding up the prompts behind them; one that waits past its deadline fails.
 """
+
 from __future__ import annotations
 
 import time

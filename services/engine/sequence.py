@@ -1,4 +1,5 @@
 """A request as the language stages see it: token ids, feature specs, sampling, state."""
+
 from __future__ import annotations
 
 import enum

@@ -3,6 +3,7 @@
 Only the tensors a stage asks for are materialized: the encoder never reads a
 language-model tensor and the language stages never read a vision tensor.
 """
+
 from __future__ import annotations
 
 import json

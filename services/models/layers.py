@@ -1,4 +1,5 @@
 """Building blocks shared by the model families."""
+
 from __future__ import annotations
 
 import torch
@@ -41,9 +42,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
-def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int]
-) -> torch.Tensor:
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
     """Bidirectional attention within each segment of a packed sequence.
 
     q, k, v: [tokens, heads, head_dim]; segment i is tokens cu_seqlens[i]:cu_seqlens[i+1].

@@ -3,6 +3,7 @@
 Tensor names follow the released checkpoints (`visual.*`, `model.*`, `lm_head.*`);
 see checkpoint.canonical_name for the transformers-5 spelling.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -5,6 +5,7 @@ A family is one module exposing MODEL_TYPES, VisionConfig / TextConfig with
 mrope_positions. Adding Qwen3-VL or a LLaVA-style model means adding one module
 and listing it in _FAMILIES.
 """
+
 from __future__ import annotations
 
 from types import ModuleType
@@ -32,7 +33,7 @@ def load_vision_tower(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype
     with torch.device("meta"):
         tower = family.VisionTower(family.VisionConfig.from_hf(ckpt.config))
     weights = ckpt.load(family.is_vision_weight, dtype=dtype, device=device)
-    _assign(tower, {k[len(prefix):]: v for k, v in weights.items()}, ckpt)
+    _assign(tower, {k[len(prefix) :]: v for k, v in weights.items()}, ckpt)
     return tower.to(device).eval()
 
 

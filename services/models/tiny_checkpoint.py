@@ -45,9 +45,7 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "<|video_pad|>",
 )
 # Same split regex as transformers' Qwen2Tokenizer, which rebuilds its pipeline with it on load.
-PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501
 STAMP_NAME = "epd_tiny_checkpoint.json"  # which generator source + seed wrote the dir
 SHARD_NAMES = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 INDEX_NAME = "model.safetensors.index.json"
@@ -152,10 +150,32 @@ Naïve façade, résumé, jalapeño, Zürich, São Paulo, Kraków, Ærø; 世界
 """
 
 _SUBJECTS = (
-    "the teacher", "a student", "my neighbour", "the old man", "a young girl", "the engineer",
-    "our team", "the doctor", "a tourist", "the pilot", "the children", "the artist", "a farmer",
-    "the camera", "the model", "this photo", "the driver", "a musician", "the river", "the city",
-    "the committee", "a scientist", "the gardener", "my grandmother", "the captain", "a lawyer",
+    "the teacher",
+    "a student",
+    "my neighbour",
+    "the old man",
+    "a young girl",
+    "the engineer",
+    "our team",
+    "the doctor",
+    "a tourist",
+    "the pilot",
+    "the children",
+    "the artist",
+    "a farmer",
+    "the camera",
+    "the model",
+    "this photo",
+    "the driver",
+    "a musician",
+    "the river",
+    "the city",
+    "the committee",
+    "a scientist",
+    "the gardener",
+    "my grandmother",
+    "the captain",
+    "a lawyer",
 )
 _VERBS = """
 reads writes builds paints finds carries describes watches opens closes counts measures cleans
@@ -191,15 +211,46 @@ squirrel stadium statue submarine suitcase sunflower telescope tent theatre thun
 trumpet valley vase village volcano waterfall whale windmill wizard workshop
 """.split()
 _PLACES = (
-    "near the station", "in the park", "at the harbour", "behind the school", "on the roof",
-    "under the bridge", "inside the museum", "next to the library", "across the street",
-    "along the coast", "in the valley", "by the lake", "at the airport", "in the laboratory",
-    "beside the fireplace", "through the window", "beyond the hills", "around the corner",
+    "near the station",
+    "in the park",
+    "at the harbour",
+    "behind the school",
+    "on the roof",
+    "under the bridge",
+    "inside the museum",
+    "next to the library",
+    "across the street",
+    "along the coast",
+    "in the valley",
+    "by the lake",
+    "at the airport",
+    "in the laboratory",
+    "beside the fireplace",
+    "through the window",
+    "beyond the hills",
+    "around the corner",
 )
 _TIMES = (
-    "yesterday", "today", "every Monday", "in the evening", "at noon", "last winter", "on Sunday",
-    "before breakfast", "after lunch", "during the storm", "in 1998", "at 7:30", "twice a week",
-    "quietly", "carefully", "suddenly", "eventually", "immediately", "occasionally", "gradually",
+    "yesterday",
+    "today",
+    "every Monday",
+    "in the evening",
+    "at noon",
+    "last winter",
+    "on Sunday",
+    "before breakfast",
+    "after lunch",
+    "during the storm",
+    "in 1998",
+    "at 7:30",
+    "twice a week",
+    "quietly",
+    "carefully",
+    "suddenly",
+    "eventually",
+    "immediately",
+    "occasionally",
+    "gradually",
 )
 
 
@@ -207,8 +258,13 @@ def _generated_sentences(count: int) -> Iterator[str]:
     rng = random.Random(1234)  # Random(int).choice/randrange are stable across Python versions.
     for i in range(count):
         words = (
-            rng.choice(_SUBJECTS), rng.choice(_VERBS), "a" if i % 3 else "the",
-            rng.choice(_ADJECTIVES), rng.choice(_NOUNS), rng.choice(_PLACES), rng.choice(_TIMES),
+            rng.choice(_SUBJECTS),
+            rng.choice(_VERBS),
+            "a" if i % 3 else "the",
+            rng.choice(_ADJECTIVES),
+            rng.choice(_NOUNS),
+            rng.choice(_PLACES),
+            rng.choice(_TIMES),
         )
         sentence = " ".join(words)
         tail = ("." if i % 4 else "?") if i % 7 else f", number {rng.randrange(10000)}."
@@ -351,8 +407,12 @@ def processor_config() -> dict:
 def tokenizer_config(ids: dict[str, int]) -> dict:
     added = {
         str(i): {
-            "content": t, "lstrip": False, "normalized": False, "rstrip": False,
-            "single_word": False, "special": True,
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
         }
         for t, i in ids.items()
     }
@@ -380,9 +440,9 @@ def tokenizer_config(ids: dict[str, int]) -> dict:
 def hf_to_original_name(name: str) -> str:
     """transformers-5 module path -> tensor name in the released Qwen2.5-VL checkpoints."""
     if name.startswith("model.language_model."):
-        return "model." + name[len("model.language_model."):]
+        return "model." + name[len("model.language_model.") :]
     if name.startswith("model.visual."):
-        return name[len("model."):]
+        return name[len("model.") :]
     return name
 
 
@@ -450,9 +510,11 @@ def split_shards(names: list[str], num_layers: int) -> tuple[list[str], list[str
     first, second = [], []
     for name in sorted(names):
         parts = name.split(".")
-        in_first = parts[0] == "visual" or (
-            parts[:2] == ["model", "layers"] and int(parts[2]) < num_layers // 2
-        ) or parts[:2] == ["model", "embed_tokens"]
+        in_first = (
+            parts[0] == "visual"
+            or (parts[:2] == ["model", "layers"] and int(parts[2]) < num_layers // 2)
+            or parts[:2] == ["model", "embed_tokens"]
+        )
         (first if in_first else second).append(name)
     return first, second
 

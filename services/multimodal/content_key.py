@@ -23,9 +23,7 @@ IMAGE_TAG = b"image"
 
 
 def canonical_json(value: Mapping[str, Any]) -> bytes:
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
 
 
 def _u64(n: int) -> bytes:
@@ -36,9 +34,7 @@ def _field(data: bytes) -> bytes:
     return _u64(len(data)) + data
 
 
-def pixel_array_key(
-    array: np.ndarray, mode: str, model_id: str, processor_settings: Mapping[str, Any]
-) -> str:
+def pixel_array_key(array: np.ndarray, mode: str, model_id: str, processor_settings: Mapping[str, Any]) -> str:
     # Little-endian, C-contiguous: equal pixel values always serialize to equal bytes.
     arr = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
     hasher = blake3()

@@ -45,7 +45,7 @@ def load_image_bytes(source: str | bytes | bytearray | memoryview, limits: Image
             "send the image as a data:image/...;base64 URL or as raw bytes"
         )
     if lowered.startswith("file://"):
-        return _from_path(source[len("file://"):], limits)
+        return _from_path(source[len("file://") :], limits)
     if "://" in source[:32]:
         raise ImageInputError(f"unsupported image URL scheme: {source.split('://', 1)[0]!r}")
     return _from_path(source, limits)
@@ -63,7 +63,7 @@ def _from_data_url(url: str, limits: ImageLimits) -> bytes:
     header, sep, payload = url.partition(",")
     if not sep:
         raise ImageInputError("malformed data URL: missing ',' between header and payload")
-    params = header[len("data:"):].split(";")
+    params = header[len("data:") :].split(";")
     media_type = params[0].strip().lower()
     if not media_type.startswith("image/"):
         raise ImageInputError(f"data URL media type must be image/*, got {media_type or 'none'!r}")

@@ -4,6 +4,7 @@ The chat template puts one `<|image_pad|>` per image; it is expanded to as many
 placeholders as the encoder will produce rows for that image, computed from the
 image size alone (no pixels are processed here).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence

@@ -4,6 +4,7 @@ Holds only the language model. Embeddings come from the EC store by key; a
 prompt whose embeddings are still missing waits without holding up the others.
 A handed-off request keeps its KV blocks until `confirm` (or `abandon`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
