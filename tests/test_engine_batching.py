@@ -83,3 +83,21 @@ def test_handoffs_joining_a_running_decode_batch_equal_alone(tiny_checkpoint, al
     assert [out[str(i)] for i in range(8)] == alone
     for e in (prefill, decode.engine):
         assert e.blocks.num_free == e.blocks.num_blocks and e.blocks.reserved == 0
+
+
+def test_pd_engine_resumes_held_sequences_in_place(tiny_checkpoint, alone):
+    """A PD worker prefills, holds the KV, then decodes it in the same pool without a copy."""
+    pd = LLMEngine(tiny_checkpoint, EngineConfig(role="pd", block_size=4, num_blocks=512))
+    for i, p in enumerate(prompts()):
+        pd.add_request(str(i), p, GREEDY)
+    out = {}
+    while len(out) < 8:
+        for o in pd.step():
+            out[o.request_id] = list(o.new_token_ids)
+    assert pd.num_held() == 8 and not pd.has_unfinished()
+    for i in range(8):
+        pd.resume(str(i))
+    for rid, tokens in run(pd).items():
+        out[rid].extend(tokens)
+    assert [out[str(i)] for i in range(8)] == alone
+    assert pd.blocks.num_free == 512 and pd.num_held() == 0

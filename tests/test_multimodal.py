@@ -71,8 +71,10 @@ def test_sources_give_the_same_bytes(tmp_path: Path) -> None:
     path = tmp_path / "pic.png"
     path.write_bytes(png)
     url = "data:image/png;base64," + base64.b64encode(png).decode()
-    assert load_image_bytes(png) == load_image_bytes(str(path)) == load_image_bytes(url) == png
-    assert load_image_bytes(f"file://{path}") == png
+    assert load_image_bytes(png) == load_image_bytes(str(path), allow_paths=True) == load_image_bytes(url) == png
+    assert load_image_bytes(f"file://{path}", allow_paths=True) == png
+    with pytest.raises(ImageInputError, match="local file paths are not accepted"):
+        load_image_bytes(str(path))
     assert load_image_bytes(bytearray(png)) == png
 
 
@@ -130,7 +132,7 @@ def test_over_byte_limit_file_not_read(tmp_path: Path) -> None:
     path = tmp_path / "big.png"
     path.write_bytes(b"\0" * 1000)
     with pytest.raises(ImageInputError, match="1000 bytes, over the limit of 999 bytes"):
-        load_image_bytes(str(path), ImageLimits(max_bytes=999))
+        load_image_bytes(str(path), ImageLimits(max_bytes=999), allow_paths=True)
 
 
 def test_over_pixel_limit() -> None:
@@ -168,7 +170,7 @@ def test_http_urls_are_disabled() -> None:
 )
 def test_bad_sources(source: str, message: str) -> None:
     with pytest.raises(ImageInputError, match=message):
-        load_image_bytes(source)
+        load_image_bytes(source, allow_paths=True)
 
 
 def test_image_input_error_is_value_error() -> None:
@@ -265,7 +267,7 @@ def test_rejects_unknown_model_type(tmp_path: Path) -> None:
 
 
 def _key_from_source(source: str | bytes, settings: dict) -> str:
-    return content_key(decode_image(load_image_bytes(source)), MODEL_ID, settings)
+    return content_key(decode_image(load_image_bytes(source, allow_paths=True)), MODEL_ID, settings)
 
 
 def test_png_file_and_data_url_share_a_key(processor: ImageProcessor, tmp_path: Path) -> None:

@@ -7,7 +7,9 @@ from typing import Literal
 
 import torch
 
-Role = Literal["both", "prefill", "decode"]
+# both: prefill then decode in place; prefill: hold KV for export after the first token;
+# decode: take exported KV; pd: hold KV after prefill, then export it or resume decoding here.
+Role = Literal["both", "prefill", "decode", "pd"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -24,8 +26,8 @@ class EngineConfig:
     feature_timeout_s: float = 30.0  # how long a prompt may wait for its embeddings
 
     def __post_init__(self) -> None:
-        if self.role not in ("both", "prefill", "decode"):
-            raise ValueError(f"role must be 'both', 'prefill' or 'decode', got {self.role!r}")
+        if self.role not in ("both", "prefill", "decode", "pd"):
+            raise ValueError(f"role must be 'both', 'prefill', 'decode' or 'pd', got {self.role!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):

@@ -106,6 +106,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self.pending_imports)
 
+    def num_held(self) -> int:
+        """Sequences holding KV blocks while they wait to be exported or resumed."""
+        return sum(1 for s in self.seqs.values() if s.status is Status.AWAITING_HANDOFF)
+
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[StepOutput]:
@@ -149,6 +153,13 @@ class LLMEngine:
             model=self.fingerprint,
         )
         return KVHandoff(state, self.runner.read_kv(seq.block_table, seq.num_cached))
+
+    def resume(self, request_id: str) -> None:
+        """PD worker: decode a held sequence here, its KV already in this engine's pool."""
+        seq = self.seqs.get(request_id)
+        if self.config.role != "pd" or seq is None or seq.status is not Status.AWAITING_HANDOFF:
+            raise KeyError(f"request {request_id} has no KV held for decoding in this engine")
+        self.scheduler.start_running(seq)
 
     def release_handoff(self, request_id: str) -> None:
         """Free a handed-off sequence's blocks (once the receiver has confirmed, or gave up)."""
@@ -212,7 +223,7 @@ class LLMEngine:
         reason = self._stop_reason(seq, token)
         if reason is not None:
             self._finish(seq, reason)
-        elif after_prefill and self.config.role == "prefill":
+        elif after_prefill and self.config.role in ("prefill", "pd"):
             seq.status = Status.AWAITING_HANDOFF
         elif after_prefill:
             self.scheduler.start_running(seq)

@@ -30,8 +30,11 @@ class ImageLimits:
 DEFAULT_LIMITS = ImageLimits()
 
 
-def load_image_bytes(source: str | bytes | bytearray | memoryview, limits: ImageLimits = DEFAULT_LIMITS) -> bytes:
-    """Encoded image bytes from raw bytes, a `data:image/...;base64,` URL or a local file path."""
+def load_image_bytes(
+    source: str | bytes | bytearray | memoryview, limits: ImageLimits = DEFAULT_LIMITS, allow_paths: bool = False
+) -> bytes:
+    """Encoded image bytes from raw bytes, a `data:image/...;base64,` URL or, when `allow_paths`
+    (trusted callers only: never for client input), a local file path."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         return _check_size(bytes(source), limits)
     if not isinstance(source, str):
@@ -44,11 +47,11 @@ def load_image_bytes(source: str | bytes | bytearray | memoryview, limits: Image
             "remote image URLs (http/https) are disabled; "
             "send the image as a data:image/...;base64 URL or as raw bytes"
         )
-    if lowered.startswith("file://"):
-        return _from_path(source[len("file://") :], limits)
-    if "://" in source[:32]:
+    if "://" in source[:32] and not lowered.startswith("file://"):
         raise ImageInputError(f"unsupported image URL scheme: {source.split('://', 1)[0]!r}")
-    return _from_path(source, limits)
+    if not allow_paths:
+        raise ImageInputError("image must be a data:image/...;base64 URL (local file paths are not accepted)")
+    return _from_path(source.removeprefix("file://"), limits)
 
 
 def _check_size(data: bytes, limits: ImageLimits) -> bytes:

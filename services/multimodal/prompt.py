@@ -7,6 +7,7 @@ image size alone (no pixels are processed here).
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,25 +28,35 @@ class ChatPrompt:
     token_ids: list[int]
     features: list[FeatureSpec]  # in prompt order
     images: list[Image.Image]  # decoded, same order as features
+    image_files: list[bytes]  # the encoded image bytes, as an encoder receives them
 
 
 class PromptBuilder:
     def __init__(
-        self, checkpoint_dir: str | Path, processor: ImageProcessor, model_id: str, limits: ImageLimits = DEFAULT_LIMITS
+        self,
+        checkpoint_dir: str | Path,
+        processor: ImageProcessor,
+        model_id: str,
+        limits: ImageLimits = DEFAULT_LIMITS,
+        max_images: int | None = None,
     ) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(str(checkpoint_dir))
         self.processor = processor
         self.model_id = model_id
         self.limits = limits
+        self.max_images = max_images
         self.image_pad_id = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
 
     def build(self, messages: Sequence[Mapping]) -> ChatPrompt:
-        template_messages, images = self._split_images(messages)
+        template_messages, files = self._split_images(messages)
+        if self.max_images is not None and len(files) > self.max_images:
+            raise RequestError(f"the prompt has {len(files)} images; at most {self.max_images} are allowed per prompt")
+        images = [decode_image(data, self.limits) for data in files]
         text = self.tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=True)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return self._expand(ids, images)
+        return self._expand(ids, images, files)
 
-    def _expand(self, ids: list[int], images: list[Image.Image]) -> ChatPrompt:
+    def _expand(self, ids: list[int], images: list[Image.Image], files: list[bytes]) -> ChatPrompt:
         pads = [i for i, t in enumerate(ids) if t == self.image_pad_id]
         if len(pads) != len(images):
             raise RequestError(f"the prompt text contains {len(pads) - len(images)} stray {IMAGE_PAD} tokens")
@@ -61,10 +72,10 @@ class PromptBuilder:
             out.extend([self.image_pad_id] * rows)
             cursor = pad + 1
         out.extend(ids[cursor:])
-        return ChatPrompt(out, features, images)
+        return ChatPrompt(out, features, images, files)
 
-    def _split_images(self, messages: Sequence[Mapping]) -> tuple[list[dict], list[Image.Image]]:
-        """Messages for the template (image parts reduced to a marker) and the decoded images."""
+    def _split_images(self, messages: Sequence[Mapping]) -> tuple[list[dict], list[bytes]]:
+        """Messages for the template (image parts reduced to a marker) and the image files."""
         if not messages:
             raise RequestError("messages must be a non-empty list")
         template, images = [], []
@@ -88,14 +99,16 @@ class PromptBuilder:
             template.append({"role": message["role"], "content": parts})
         return template, images
 
-    def _image_of(self, part: Mapping) -> Image.Image:
+    def _image_of(self, part: Mapping) -> bytes:
         if part.get("type") == "image_url":
             url = part.get("image_url")
             source = url.get("url") if isinstance(url, Mapping) else url
         else:
             source = part.get("image")
         if isinstance(source, Image.Image):
-            return source.convert("RGB")
+            buf = io.BytesIO()
+            source.save(buf, format="PNG")
+            return buf.getvalue()
         if source is None:
             raise RequestError("an image part has no image data or url")
-        return decode_image(load_image_bytes(source, self.limits), self.limits)
+        return load_image_bytes(source, self.limits)
