@@ -36,20 +36,22 @@ def generate(out_root: Path) -> None:
         raise SystemExit("protoc failed")
 
 
-def stale_files() -> list[str]:
+def stale_files(stubs: Path) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         generate(Path(tmp))
         fresh = Path(tmp) / PACKAGE
-        return [n for n in OUTPUTS if not (ROOT / PACKAGE / n).exists() or not filecmp.cmp(fresh / n, ROOT / PACKAGE / n, shallow=False)]
+        return [n for n in OUTPUTS if not (stubs / n).exists() or not filecmp.cmp(fresh / n, stubs / n, shallow=False)]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="fail if the checked-in stubs differ from fresh ones")
-    if parser.parse_args().check:
-        stale = stale_files()
+    parser.add_argument("--stubs", type=Path, default=ROOT / PACKAGE, help="stub directory to check")
+    args = parser.parse_args()
+    if args.check:
+        stale = stale_files(args.stubs)
         if stale:
-            print(f"stale stubs in {PACKAGE}: {stale}; run `python proto/generate.py`", file=sys.stderr)
+            print(f"stale stubs in {args.stubs}: {stale}; run `python proto/generate.py`", file=sys.stderr)
             return 1
         return 0
     generate(ROOT)
