@@ -30,7 +30,7 @@ class Completion:
 class InProcessEPD:
     def __init__(self, checkpoint: str | Path, store: ECStore, engine: EngineConfig = EngineConfig()) -> None:
         self.store = store
-        self.encoder = EncoderStage(checkpoint, store)
+        self.encoder = EncoderStage(checkpoint, store, device=engine.device, dtype=engine.torch_dtype)
         self.prefill = PrefillStage(checkpoint, engine, store)
         self.decode = DecodeStage(checkpoint, engine)
         self.prompts = PromptBuilder(checkpoint, self.encoder.processor, self.encoder.model_id)

@@ -10,8 +10,10 @@ IMAGE_PAD = "<|image_pad|>"
 
 
 class HFReference:
-    def __init__(self, checkpoint_dir) -> None:
-        self.model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(checkpoint_dir)).eval()
+    def __init__(self, checkpoint_dir, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        self.device = device
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(checkpoint_dir), dtype=dtype)
+        self.model = model.to(device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(str(checkpoint_dir))
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(checkpoint_dir))
         self.image_token_id = self.model.config.image_token_id
@@ -44,5 +46,6 @@ class HFReference:
             eos_token_id=self.model.generation_config.eos_token_id if stop_at_eos else None,
             pad_token_id=self.model.generation_config.pad_token_id,
         )
+        inputs = {k: v.to(self.device) for k, v in inputs.items()}
         out = self.model.generate(**inputs, generation_config=config)
         return out[0, inputs["input_ids"].shape[1] :].tolist()
