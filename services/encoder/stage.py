@@ -72,12 +72,27 @@ class EncoderStage:
         metas = []
         for i, (image, key) in enumerate(zip(images, keys)):
             if i not in encoded:
-                metas.append(self._cached_meta(key, image))
+                metas.append(self.cached_meta(key, image))
                 continue
             rows, grid = encoded[i]
-            self.store.put(key, rows, {"grid_thw": ",".join(map(str, grid)), "model": self.model_id})
-            metas.append(ItemMeta(key, rows.shape[0], rows.shape[1], _dtype_name(rows.dtype), grid, cached=False))
+            metas.append(self.publish(EncodedItem(key, rows, grid)))
         return metas
+
+    def encode_keyed(self, keys: Sequence[str], images: Sequence[Image.Image]) -> list[EncodedItem]:
+        """Like `encode`, for images whose content keys the caller has already computed."""
+        return [EncodedItem(key, rows, grid) for key, (rows, grid) in zip(keys, self._forward(images))]
+
+    def publish(self, item: EncodedItem) -> ItemMeta:
+        """Put an encoded item in the store (a no-op if another encoder got there first)."""
+        assert self.store is not None, "publish needs an EC store"
+        rows = item.embeddings
+        self.store.put(item.key, rows, {"grid_thw": ",".join(map(str, item.grid_thw)), "model": self.model_id})
+        return ItemMeta(item.key, rows.shape[0], rows.shape[1], _dtype_name(rows.dtype), item.grid_thw, cached=False)
+
+    def patches(self, image: Image.Image) -> int:
+        """Vision patches the image becomes (what the batch budget counts)."""
+        t, h, w = self.processor.grid_for_size(image.height, image.width)
+        return t * h * w
 
     @torch.inference_mode()
     def _forward(self, images: Sequence[Image.Image]) -> list[tuple[torch.Tensor, tuple[int, int, int]]]:
@@ -89,7 +104,8 @@ class EncoderStage:
             out.extend((rows.cpu(), grid) for rows, grid in zip(embeddings, grids))
         return out
 
-    def _cached_meta(self, key: str, image: Image.Image) -> ItemMeta:
+    def cached_meta(self, key: str, image: Image.Image) -> ItemMeta:
+        """The meta of an item already in the store, computed without pixels."""
         grid = self.processor.grid_for_size(image.height, image.width)
         rows = self.processor.num_placeholder_tokens(image.height, image.width)
         dtype = _dtype_name(self.tower.merger.mlp[2].weight.dtype)
@@ -99,8 +115,7 @@ class EncoderStage:
         batches: list[list[Image.Image]] = [[]]
         used = 0
         for image in images:
-            t, h, w = self.processor.grid_for_size(image.height, image.width)
-            patches = t * h * w
+            patches = self.patches(image)
             if batches[-1] and used + patches > self.max_batch_patches:
                 batches.append([])
                 used = 0
