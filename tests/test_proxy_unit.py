@@ -1,0 +1,827 @@
+"""The proxy without model processes.
+
+Part 1: pure pieces (request parsing, detokenizer, stop strings, replica picking, DNS).
+Part 2: `python -m services.proxy` as a subprocess whose pool addresses are unreachable:
+every bad input gets its 400 before any RPC, and valid requests fail fast with 503.
+Part 3: the proxy in-process in front of scripted gRPC pools (tests/proxy_pools.py),
+driven with the official openai client and the gRPC Frontend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+
+from services.multimodal.image_io import ImageLimits
+from services.multimodal.processor import ImageProcessor
+from services.proxy.app import Proxy
+from services.proxy.config import ConfigError, PoolSource, ProxyConfig, parse_config, parse_size
+from services.proxy.detokenizer import IncrementalDetokenizer
+from services.proxy.errors import InvalidRequest, StageError
+from services.proxy.openai_format import RequestParser
+from services.proxy.replicas import ReplicaSet
+from services.proxy.request import SamplingDefaults
+from services.proxy.stop_strings import StopMatcher
+from services.rpc import epd_pb2, epd_pb2_grpc
+from tests.conftest import make_image, png_bytes
+from tests.proxy_pools import (
+    LoopThread,
+    Published,
+    ScriptedDecode,
+    ScriptedEncoder,
+    ScriptedPrefill,
+    serve,
+)
+
+MODEL = "tiny-qwen2_5_vl"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def image_part(data: bytes) -> dict:
+    return {"type": "image_url", "image_url": {"url": data_url(data)}}
+
+
+def user(*parts) -> list[dict]:
+    if len(parts) == 1 and isinstance(parts[0], str):
+        return [{"role": "user", "content": parts[0]}]
+    return [{"role": "user", "content": [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_checkpoint))
+
+
+# =================================================================== part 1: pure pieces
+
+
+def parser(**kw) -> RequestParser:
+    return RequestParser(MODEL, kw.pop("max_images", 2), kw.pop("allow_http", False), SamplingDefaults(), **kw)
+
+
+def test_parse_openai_request_fields():
+    req = parser().parse(
+        {
+            "model": MODEL,
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}, image_part(b"x")]},
+            ],
+            "max_completion_tokens": 7,
+            "temperature": 0,
+            "top_p": 0.5,
+            "top_k": -1,
+            "seed": 3,
+            "stop": "END",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+            "n": 1,
+        }
+    )
+    assert (req.max_tokens, req.temperature, req.top_p, req.top_k, req.seed) == (7, 0.0, 0.5, 0, 3)
+    assert req.stop == ("END",) and req.stream and req.include_usage and req.ignore_eos
+    assert req.num_images == 1 and req.messages[0] == {"role": "system", "content": "be brief"}
+    defaults = parser().parse({"model": MODEL, "messages": user("hi"), "max_tokens": 4, "stop": ["a", "b", "a"]})
+    assert (defaults.max_tokens, defaults.temperature, defaults.top_p, defaults.stream) == (4, 1.0, 1.0, False)
+    assert defaults.stop == ("a", "b")
+    assert parser().parse({"model": MODEL, "messages": user("hi")}).max_tokens is None
+
+
+@pytest.mark.parametrize(
+    "change, param, message",
+    [
+        ({"model": "gpt-4"}, "model", "model 'gpt-4' is not served here; use 'tiny-qwen2_5_vl'"),
+        ({"messages": []}, "messages", "messages must be a non-empty list"),
+        ({"temperature": 2.5}, "temperature", "temperature must be a number in [0, 2]"),
+        ({"temperature": "hot"}, "temperature", "temperature must be a number in [0, 2]"),
+        ({"top_p": 0}, "top_p", "top_p must be a number in (0, 1]"),
+        ({"top_p": 1.01}, "top_p", "top_p must be a number in (0, 1]"),
+        ({"max_tokens": 0}, "max_tokens", "max_tokens must be an integer >= 1"),
+        ({"max_completion_tokens": -3}, "max_completion_tokens", "max_completion_tokens must be an integer >= 1"),
+        ({"n": 2}, "n", "n must be 1"),
+        ({"top_k": -5}, "top_k", "top_k must be an integer >= 1"),
+        ({"seed": -1}, "seed", "seed must be an integer in [0, 2**64)"),
+        ({"stop": [""]}, "stop", "stop must be a non-empty string or a list of non-empty strings"),
+        ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
+        ({"logprobs": True}, "logprobs", "logprobs is not supported"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages", "role must be one of system, user"),
+    ],
+)
+def test_parse_rejects_with_a_message_that_says_what_to_fix(change, param, message):
+    with pytest.raises(InvalidRequest) as info:
+        parser().parse({"model": MODEL, "messages": user("hi"), **change})
+    assert message in info.value.message
+    assert info.value.param == param
+
+
+def test_parse_image_sources():
+    p = parser(allow_http=False)
+    for url, message in [
+        ("http://example.com/cat.png", "--allow-http-image-urls"),
+        ("/etc/passwd", "local file paths are not accepted"),
+        ("file:///etc/passwd", "local file paths are not accepted"),
+        ("C:\\cat.png", "local file paths are not accepted"),
+        ("ftp://host/cat.png", "unsupported image URL scheme 'ftp'"),
+    ]:
+        with pytest.raises(InvalidRequest, match=re.escape(message)):
+            p.parse({"model": MODEL, "messages": user({"type": "image_url", "image_url": {"url": url}})})
+    allowed = parser(allow_http=True).parse(
+        {"model": MODEL, "messages": user({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}})}
+    )
+    assert allowed.messages[0]["content"][0]["image_url"]["url"] == "https://example.com/a.png"
+    with pytest.raises(InvalidRequest, match="at most 2 are allowed per prompt"):
+        p.parse({"model": MODEL, "messages": user(*[image_part(b"x")] * 3)})
+    with pytest.raises(InvalidRequest, match="unsupported content part type 'input_audio'"):
+        p.parse({"model": MODEL, "messages": user({"type": "input_audio", "input_audio": {}})})
+
+
+def test_config_flags_env_and_errors(tiny_checkpoint):
+    pools = ["--encoders", "10.0.0.1:5000,10.0.0.2:5000", "--prefills", "dns:///prefill.svc:6000"]
+    config = parse_config(
+        ["--checkpoint", str(tiny_checkpoint), *pools, "--max-image-bytes", "1MiB"],
+        env={"EPD_DECODES": "d:7000", "EPD_HTTP_PORT": "9000", "EPD_ALLOW_HTTP_IMAGE_URLS": "true"},
+    )
+    assert config.model_name == MODEL and config.http_port == 9000 and config.allow_http_image_urls
+    assert config.encoders.addresses == ("10.0.0.1:5000", "10.0.0.2:5000")
+    assert (config.prefills.dns_name, config.prefills.dns_port) == ("prefill.svc", 6000)
+    assert config.image_limits.max_bytes == 1 << 20 and config.image_limits.max_pixels == 50_000_000
+    assert config.max_model_len == 4096
+    assert parse_size("20MiB") == 20 * 1024 * 1024 and parse_size("50_000") == 50_000
+    base = ["--checkpoint", str(tiny_checkpoint), *pools, "--decodes", "d:1"]
+    for extra, message in [
+        (["--decodes", "nohost"], "--decodes: 'nohost' is not host:port"),
+        (["--max-model-len", "99999"], "over the model's max_position_embeddings"),
+        (["--http-port", "70000"], "--http-port must be in 0..65535"),
+        (["--max-image-bytes", "lots"], "is not a size"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            parse_config(base + extra, env={})
+    with pytest.raises(ConfigError, match="--checkpoint is required"):
+        parse_config(pools, env={})
+
+
+def _stream_text(tokenizer, ids: list[int]) -> list[str]:
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.add(t) for t in ids]
+    return pieces + [detok.flush()]
+
+
+def test_detokenizer_incremental_equals_full_decode(tokenizer):
+    rng = random.Random(0)
+    vocab = len(tokenizer)
+    texts = ["héllo 世界 🙂 naïve — ok", "日本語のテキスト🎉🎉", "a\u00a0b\u200bc 👩‍👩‍👧"]
+    streams = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    streams += [[rng.randrange(vocab) for _ in range(rng.randrange(1, 60))] for _ in range(300)]
+    for ids in streams:
+        pieces = _stream_text(tokenizer, ids)
+        assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+        assert all("\ufffd" not in p[-1:] for p in pieces[:-1]), "a piece ended in an incomplete character"
+
+
+def test_detokenizer_holds_back_incomplete_characters(tokenizer):
+    ids = tokenizer.encode("🙂", add_special_tokens=False)
+    assert len(ids) > 1  # byte-level pieces of one character
+    pieces = _stream_text(tokenizer, ids + tokenizer.convert_tokens_to_ids(["<|im_end|>"]))
+    assert pieces[: len(ids) - 1] == [""] * (len(ids) - 1)
+    assert pieces[len(ids) - 1] == "🙂" and "".join(pieces) == "🙂"
+
+
+def _run_stops(stops, pieces):
+    matcher = StopMatcher(stops)
+    out = [matcher.feed(p) for p in pieces]
+    if not matcher.stopped:
+        out.append(matcher.flush())
+    return "".join(out), matcher.stopped, out
+
+
+def test_stop_strings_across_token_boundaries():
+    text, stopped, out = _run_stops(["STOP"], ["Hello S", "T", "O", "P and more"])
+    assert (text, stopped) == ("Hello ", True)
+    assert "S" not in "".join(out[:3])  # a possible stop prefix is never released early
+    assert _run_stops(["STOP"], ["Hello ST", "ART"]) == ("Hello START", False, ["Hello", " ST", "ART"])
+    assert _run_stops(["xyz", "b"], ["axy", "zb"])[:2] == ("a", True)  # earliest match wins
+    assert _run_stops([], ["a", "b"])[:2] == ("ab", False)
+    assert _run_stops(["\n\n"], ["line\n", "\nnext"])[:2] == ("line", True)
+
+
+def _replica_set(addresses, **kw) -> ReplicaSet:
+    return ReplicaSet(PoolSource("decode", addresses=tuple(addresses)), epd_pb2_grpc.DecodeStub, **kw)
+
+
+def test_least_outstanding_picking():
+    async def scenario():
+        pool = _replica_set(["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"], down_s=60)
+        await pool.refresh_addresses()
+        leases = []
+        for _ in range(3):
+            replica = pool.pick()
+            leases.append(pool.lease(replica))
+            await leases[-1].__aenter__()
+        assert sorted(r.outstanding for r in pool.replicas.values()) == [1, 1, 1]
+        await leases[0].__aexit__(None, None, None)
+        assert pool.pick().address == "127.0.0.1:1"  # the only one with 0 outstanding
+        assert pool.pick(prefer="127.0.0.1:3").address == "127.0.0.1:3"
+        pool.mark_failed(pool.replicas["127.0.0.1:1"])
+        assert {pool.pick().address for _ in range(4)} == {"127.0.0.1:2", "127.0.0.1:3"}
+        with pytest.raises(StageError, match="no healthy decode replica") as info:
+            pool.pick(exclude=["127.0.0.1:2", "127.0.0.1:3"])
+        assert info.value.http_status == 503
+        await pool.probe_all()  # nothing listens there: probes fail, no replica is usable
+        assert pool.serving_count() == 0
+        with pytest.raises(StageError):
+            pool.pick()
+        await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_dns_replica_set_resolves_and_re_resolves():
+    async def scenario():
+        source = PoolSource("prefill", dns_name="localhost", dns_port=6123)
+        pool = ReplicaSet(source, epd_pb2_grpc.PrefillStub, health_interval_s=60, dns_refresh_s=0.05)
+        await pool.start()
+        assert list(pool.replicas) == ["127.0.0.1:6123"]
+        old = pool.replicas.pop("127.0.0.1:6123")  # as if the record had gone; the next refresh brings it back
+        await asyncio.sleep(0.3)
+        assert list(pool.replicas) == ["127.0.0.1:6123"] and pool.replicas["127.0.0.1:6123"] is not old
+        await old.channel.close()
+        await pool.close()
+
+    asyncio.run(scenario())
+
+
+# =================================================================== part 2: subprocess, unreachable pools
+
+
+class ProxyProcess:
+    def __init__(self, args: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.proxy", *args],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self.ready.wait(60):
+            self.proc.kill()
+            raise RuntimeError("proxy did not print its ready line:\n" + "".join(self.lines))
+        match = re.search(r"epd-proxy listening on http://([\d.]+):(\d+)(?: grpc://[\d.]+:(\d+))?", self.lines[-1])
+        self.url = f"http://{match.group(1)}:{match.group(2)}"
+        self.grpc_port = int(match.group(3) or 0)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("epd-proxy listening on"):
+                self.ready.set()
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)
+
+
+def http(url: str, body: bytes | dict | None = None, method: str | None = None) -> tuple[int, dict | str]:
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            status, raw = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read().decode()
+    try:
+        return status, json.loads(raw)
+    except json.JSONDecodeError:
+        return status, raw
+
+
+@pytest.fixture(scope="module")
+def offline_proxy(tiny_checkpoint):
+    dead = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    proxy = ProxyProcess(
+        [
+            "--checkpoint", str(tiny_checkpoint),
+            "--http-port", "0",
+            "--grpc-port", str(free_port()),
+            "--encoders", dead[0], "--prefills", dead[1], "--decodes", dead[2],
+            "--max-images-per-prompt", "2",
+            "--max-image-bytes", "100KiB",
+            "--max-image-pixels", "250000",
+            "--max-model-len", "200",
+            "--request-timeout-s", "10",
+        ]
+    )  # fmt: skip
+    yield proxy
+    assert proxy.stop() == 0, "".join(proxy.lines)
+
+
+def _chat(**over) -> dict:
+    return {"model": MODEL, "messages": user("Say hi."), "max_tokens": 8, **over}
+
+
+def _noise_png(width: int, height: int) -> bytes:
+    return png_bytes(make_image(width, height, seed=width))
+
+
+BAD_INPUTS = {
+    "invalid JSON": (b'{"model": ', "not valid JSON"),
+    "not an object": (b"[1, 2]", "must be a JSON object"),
+    "missing messages": ({"model": MODEL}, "messages must be a non-empty list"),
+    "empty messages": (_chat(messages=[]), "messages must be a non-empty list"),
+    "unknown model": (_chat(model="llama"), "model 'llama' is not served here"),
+    "unsupported part": (_chat(messages=user({"type": "video_url", "video_url": {}})), "unsupported content part"),
+    "undecodable image": (_chat(messages=user(image_part(b"not an image at all"))), "could not decode image"),
+    "bad base64": (
+        _chat(messages=user({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}})),
+        "not valid base64",
+    ),
+    "image over bytes": (_chat(messages=user(image_part(_noise_png(400, 400)))), "over the limit of 102400 bytes"),
+    "image over pixels": (
+        _chat(messages=user(image_part(png_bytes(make_image(600, 600, 1).convert("L").point(lambda v: 0))))),
+        "over the pixel limit of 250000",
+    ),
+    "too many images": (_chat(messages=user(*[image_part(b"x")] * 3)), "at most 2 are allowed per prompt"),
+    "over context": (_chat(max_tokens=190), "over this model's context length of 200 tokens"),
+    "prompt alone over context": (_chat(messages=user("word " * 400), max_tokens=None), "leaves no room for output"),
+    "temperature": (_chat(temperature=-0.1), "temperature must be a number in [0, 2]"),
+    "top_p": (_chat(top_p=0.0), "top_p must be a number in (0, 1]"),
+    "max_tokens": (_chat(max_tokens=0), "max_tokens must be an integer >= 1"),
+    "n": (_chat(n=3), "n must be 1"),
+    "http url disabled": (
+        _chat(messages=user({"type": "image_url", "image_url": {"url": "https://example.com/x.png"}})),
+        "remote image URLs (http/https) are disabled",
+    ),
+    "local path": (
+        _chat(messages=user({"type": "image_url", "image_url": {"url": "/etc/hosts"}})),
+        "local file paths are not accepted",
+    ),
+    "file url": (
+        _chat(messages=user({"type": "image_url", "image_url": {"url": "file:///etc/hosts"}})),
+        "local file paths are not accepted",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_gets_400_with_what_to_fix(offline_proxy, case):
+    body, message = BAD_INPUTS[case]
+    status, reply = http(offline_proxy.url + "/v1/chat/completions", body)
+    assert status == 400, reply
+    error = reply["error"]
+    assert message in error["message"]
+    assert error["type"] == "invalid_request_error" and error["code"] is None and "param" in error
+
+
+def test_valid_requests_fail_fast_when_pools_are_unreachable(offline_proxy):
+    for body in (_chat(), _chat(stream=True), _chat(messages=user(image_part(_noise_png(64, 64)), "what?"))):
+        began = time.monotonic()
+        status, reply = http(offline_proxy.url + "/v1/chat/completions", body)
+        assert time.monotonic() - began < 5
+        assert status == 503, reply
+        assert reply["error"]["type"] == "server_error" and "no healthy" in reply["error"]["message"]
+    assert http(offline_proxy.url + "/v1/chat/completions", BAD_INPUTS["n"][0])[0] == 400  # still serving
+
+
+def test_models_health_metrics_and_unknown_routes(offline_proxy):
+    status, models = http(offline_proxy.url + "/v1/models")
+    assert status == 200 and models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [MODEL] and models["data"][0]["object"] == "model"
+    status, health = http(offline_proxy.url + "/health")
+    assert status == 503 and health["missing"] == ["encoder", "prefill", "decode"]
+    assert "encoder, prefill, decode" in health["message"]
+    status, missing = http(offline_proxy.url + "/v2/nothing")
+    assert status == 404 and "no route GET /v2/nothing" in missing["error"]["message"]
+    assert http(offline_proxy.url + "/v1/chat/completions", method="GET")[0] == 405
+    status, text = http(offline_proxy.url + "/metrics")
+    assert status == 200
+    for name in (
+        "epd_proxy_requests_total",
+        "epd_proxy_images_total",
+        "epd_proxy_ttft_seconds_bucket",
+        "epd_proxy_tpot_seconds_bucket",
+        "epd_proxy_ec_hits_total",
+        "epd_proxy_ec_misses_total",
+    ):
+        assert name in text
+    for stage in ("tokenize", "encode", "prefill", "decode"):
+        assert f'epd_proxy_stage_seconds_count{{stage="{stage}"}}' in text
+    assert re.search(r'epd_proxy_requests_total\{status="invalid"\} [1-9]', text)
+
+
+def test_grpc_front_door_rejects_with_the_http_message(offline_proxy):
+    async def scenario():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{offline_proxy.grpc_port}") as channel:
+            stub = epd_pb2_grpc.FrontendStub(channel)
+            text = epd_pb2.ContentPart(text="hi")
+            bad = epd_pb2.GenerateRequest(
+                model=MODEL, messages=[epd_pb2.ChatMessage(role="user", content=[text])], temperature=3.0
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in stub.Generate(bad, timeout=10):
+                    pass
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            status, reply = http(offline_proxy.url + "/v1/chat/completions", _chat(temperature=3.0))
+            assert info.value.details() == reply["error"]["message"]
+            image = epd_pb2.ContentPart(image=epd_pb2.ImageInput(data=b"junk"))
+            bad_image = epd_pb2.GenerateRequest(
+                model=MODEL, messages=[epd_pb2.ChatMessage(role="user", content=[image])]
+            )
+            with pytest.raises(grpc.aio.AioRpcError, match="could not decode image"):
+                async for _ in stub.Generate(bad_image, timeout=10):
+                    pass
+            good = epd_pb2.GenerateRequest(model=MODEL, messages=[epd_pb2.ChatMessage(role="user", content=[text])])
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in stub.Generate(good, timeout=10):
+                    pass
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    asyncio.run(scenario())
+
+
+def test_bad_flags_exit_2_with_a_message(tiny_checkpoint):
+    result = subprocess.run(
+        [sys.executable, "-m", "services.proxy", "--checkpoint", str(tiny_checkpoint), "--encoders", "x:1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "--prefills is required" in result.stderr
+
+
+# =================================================================== part 3: scripted pools
+
+
+SCRIPT_TEXT = "Hello wörld, 世界 🙂! One STOP two."
+
+
+class ScriptedCluster:
+    """Two encoders, one prefill, one decode (scripted gRPC servers) and the proxy, in one loop thread."""
+
+    def __init__(self, checkpoint: Path, tokenizer, request_timeout_s: float = 10, **config) -> None:
+        self.loop = LoopThread()
+        self.script = tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False) + [
+            tokenizer.convert_tokens_to_ids("<|im_end|>")
+        ]
+        self.published = Published()
+        processor = ImageProcessor.from_pretrained(checkpoint)
+        self.encoders = [self.loop.run(serve(ScriptedEncoder(processor, self.published), _add_encoder)) for _ in "ab"]
+        self.prefill = self.loop.run(serve(ScriptedPrefill(self.script, self.published, ""), _add_prefill))
+        self.prefill.servicer.address = self.prefill.address
+        self.decode = self.loop.run(serve(ScriptedDecode(self.script), epd_pb2_grpc.add_DecodeServicer_to_server))
+        self.config = ProxyConfig(
+            checkpoint=checkpoint,
+            model_name=MODEL,
+            http_port=0,
+            grpc_port=free_port(),
+            encoders=PoolSource("encoder", addresses=tuple(e.address for e in self.encoders)),
+            prefills=PoolSource("prefill", addresses=(self.prefill.address,)),
+            decodes=PoolSource("decode", addresses=(self.decode.address,)),
+            image_limits=ImageLimits(),
+            request_timeout_s=request_timeout_s,
+            health_interval_s=0.1,
+            replica_down_s=0.2,
+            shutdown_grace_s=5,
+            **config,
+        )
+        self.proxy = Proxy(self.config)
+        self.loop.run(self.proxy.start())
+        self.url = f"http://127.0.0.1:{self.proxy.http_port}"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+    def reset(self) -> None:
+        for encoder in self.encoders:
+            encoder.servicer.calls.clear()
+            encoder.servicer.fail_with, encoder.servicer.delay_s = None, 0.0
+        p, d = self.prefill.servicer, self.decode.servicer
+        p.requests.clear(), p.cancelled.clear(), p.released.clear(), d.handles.clear(), d.cancelled.clear()
+        p.finish_first, d.chunk_delay_s = "", 0.0
+        self.published.keys.clear()
+        deadline = time.monotonic() + 5
+        while not all(pool.serving_count() == len(pool.replicas) for pool in self.proxy.pools):
+            assert time.monotonic() < deadline, "replicas did not come back"
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.loop.run(self.proxy.stop())
+        for server in [*self.encoders, self.prefill, self.decode]:
+            self.loop.run(server.server.stop(None))
+        self.loop.close()
+
+    def metric(self, name: str, labels: str = "") -> float:
+        text = self.proxy.metrics.render().decode()
+        match = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+-]+)$", text, re.M)
+        return float(match.group(1)) if match else 0.0
+
+    def chat(self, messages, **kw):
+        return self.client.chat.completions.create(model=MODEL, messages=messages, **kw)
+
+    def stream(self, messages, **kw) -> tuple[str, list]:
+        chunks = list(self.chat(messages, stream=True, **kw))
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks
+
+
+def _add_encoder(servicer, server):
+    epd_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
+
+
+def _add_prefill(servicer, server):
+    epd_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
+
+
+@pytest.fixture(scope="module")
+def scripted_cluster(tiny_checkpoint, tokenizer):
+    cluster = ScriptedCluster(tiny_checkpoint, tokenizer)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def cluster(scripted_cluster):
+    scripted_cluster.reset()
+    return scripted_cluster
+
+
+def test_text_only_streamed_equals_non_streamed_and_never_contacts_encoders(cluster, tokenizer):
+    expected = tokenizer.decode(cluster.script, skip_special_tokens=True)
+    reply = cluster.chat(user("Hi"), max_tokens=64)
+    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens == len(cluster.script)
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + len(cluster.script)
+    text, chunks = cluster.stream(user("Hi"), max_tokens=64, stream_options={"include_usage": True})
+    assert text == expected
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(cluster.script)
+    assert all(e.servicer.calls == [] for e in cluster.encoders)
+    assert cluster.decode.servicer.cancelled == [] and cluster.prefill.servicer.released == []
+    request = cluster.prefill.servicer.requests[0]
+    assert request.sampling.max_tokens == 64 and request.sampling.top_p == 1.0 and not request.features
+
+
+def test_stop_string_ends_the_request_and_cancels_the_decode_stream(cluster):
+    cluster.decode.servicer.chunk_delay_s = 0.05
+    reply = cluster.chat(user("Hi"), stop=["STOP", "never"])
+    assert reply.choices[0].message.content == "Hello wörld, 世界 🙂! One "
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens < len(cluster.script)
+    text, _ = cluster.stream(user("Hi"), stop="STOP")
+    assert text == "Hello wörld, 世界 🙂! One "
+    deadline = time.monotonic() + 5
+    while len(cluster.decode.servicer.cancelled) < 2:
+        assert time.monotonic() < deadline, "the decode streams were not cancelled"
+        time.sleep(0.02)
+
+
+def test_prefill_that_finishes_needs_no_decode(cluster, tokenizer):
+    cluster.prefill.servicer.finish_first = "length"
+    reply = cluster.chat(user("Hi"), max_tokens=1)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.choices[0].message.content == tokenizer.decode(cluster.script[:1])
+    assert reply.usage.completion_tokens == 1 and cluster.decode.servicer.handles == []
+
+
+def test_images_single_flight_and_ec_counters(cluster):
+    shared, other = png_bytes(make_image(90, 60, 11)), png_bytes(make_image(70, 70, 12))
+    for encoder in cluster.encoders:
+        encoder.servicer.delay_s = 0.5  # both requests are in flight together
+    images = cluster.metric("epd_proxy_images_total")
+    with _pool(2) as pool:
+        first = pool.submit(cluster.chat, user(image_part(shared), "a?"), max_tokens=8)
+        time.sleep(0.2)
+        second = pool.submit(cluster.chat, user(image_part(shared), image_part(other), "b?"), max_tokens=8)
+        replies = [first.result(), second.result()]
+    assert all(r.choices[0].finish_reason == "stop" for r in replies)
+    calls = [keys for e in cluster.encoders for keys in e.servicer.calls]
+    assert len(calls) == 2 and sorted(len(k) for k in calls) == [1, 1]  # the shared image was sent once
+    assert len(set(calls[0]) | set(calls[1])) == 2
+    assert cluster.metric("epd_proxy_images_total") == images + 3
+    features = [len(r.features) for r in cluster.prefill.servicer.requests]
+    assert sorted(features) == [1, 2]
+
+
+def test_failed_encode_is_retried_on_another_replica(cluster):
+    broken, healthy = cluster.encoders
+    broken.servicer.fail_with = grpc.StatusCode.UNAVAILABLE
+    healthy.servicer.delay_s = 0.0
+    # Make sure the broken one is picked first: give the healthy one an outstanding-call lead.
+    cluster.proxy.pools.encoders.replicas[healthy.address].picks += 100
+    try:
+        reply = cluster.chat(user(image_part(png_bytes(make_image(50, 80, 21))), "hm?"), max_tokens=8)
+    finally:
+        cluster.proxy.pools.encoders.replicas[healthy.address].picks -= 100
+    assert reply.choices[0].finish_reason == "stop"
+    assert len(broken.servicer.calls) == 1 and len(healthy.servicer.calls) == 1
+
+
+def test_encode_failing_everywhere_gives_503_and_cancels_the_prefill(cluster):
+    for encoder in cluster.encoders:
+        encoder.servicer.fail_with = grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(openai.APIStatusError) as info:
+        cluster.chat(user(image_part(png_bytes(make_image(40, 40, 31))), "?"), max_tokens=8)
+    assert info.value.status_code == 503
+    assert "encode failed" in info.value.message
+    assert sum(len(e.servicer.calls) for e in cluster.encoders) == 2
+    deadline = time.monotonic() + 5
+    while not cluster.prefill.servicer.cancelled:
+        assert time.monotonic() < deadline, "the waiting prefill was not cancelled"
+        time.sleep(0.02)
+    assert cluster.metric("epd_proxy_requests_total", '{status="error"}') >= 1
+
+
+def test_invalid_argument_from_encoder_is_not_retried(cluster):
+    for encoder in cluster.encoders:
+        encoder.servicer.fail_with = grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(openai.BadRequestError, match="encode failed"):
+        cluster.chat(user(image_part(png_bytes(make_image(40, 40, 41))), "?"), max_tokens=8)
+    assert sum(len(e.servicer.calls) for e in cluster.encoders) == 1
+
+
+def test_grpc_generate_matches_http(cluster, tokenizer):
+    async def generate(request):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{cluster.proxy.grpc_port}") as channel:
+            return [r async for r in epd_pb2_grpc.FrontendStub(channel).Generate(request, timeout=10)]
+
+    image = png_bytes(make_image(64, 48, 51))
+    content = [epd_pb2.ContentPart(image=epd_pb2.ImageInput(data=image)), epd_pb2.ContentPart(text="what?")]
+    request = epd_pb2.GenerateRequest(
+        model=MODEL, messages=[epd_pb2.ChatMessage(role="user", content=content)], max_tokens=16, stop=["STOP"]
+    )
+    replies = asyncio.run(generate(request))
+    http_reply = cluster.chat(user(image_part(image), "what?"), max_tokens=16, stop=["STOP"])
+    assert "".join(r.text for r in replies) == http_reply.choices[0].message.content
+    assert replies[-1].finished and replies[-1].finish_reason == "stop"
+    assert replies[-1].usage.completion_tokens == http_reply.usage.completion_tokens
+    assert replies[-1].usage.prompt_tokens == http_reply.usage.prompt_tokens
+    tokens = [t for r in replies for t in r.token_ids]
+    assert tokens == cluster.script[: len(tokens)]
+
+
+def test_client_going_away_cancels_the_decode_and_releases_the_kv(cluster):
+    cluster.decode.servicer.chunk_delay_s = 0.2
+    body = json.dumps({"model": MODEL, "messages": user("Hi"), "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", cluster.proxy.http_port)) as sock:
+        head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        received = b""
+        while received.count(b"chat.completion.chunk") < 3:  # role, the prefill's token, a decode chunk
+            received += sock.recv(65536)
+    deadline = time.monotonic() + 5
+    cancelled, released = cluster.decode.servicer.cancelled, cluster.prefill.servicer.released
+    while not (cancelled and cancelled[0] in released):
+        assert time.monotonic() < deadline, "the decode stream was not cancelled or the KV not released"
+        time.sleep(0.02)
+
+
+def test_deadline_ends_a_stuck_request_with_504_or_an_sse_error(tiny_checkpoint, tokenizer):
+    cluster = ScriptedCluster(tiny_checkpoint, tokenizer, request_timeout_s=1.0)
+    try:
+        cluster.decode.servicer.chunk_delay_s = 0.4  # the whole script takes longer than the deadline
+        began = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as info:
+            cluster.chat(user("Hi"))
+        assert info.value.status_code == 504 and "decode failed: DEADLINE_EXCEEDED" in info.value.message
+        with pytest.raises(openai.APIError, match="DEADLINE_EXCEEDED"):
+            cluster.stream(user("Hi"))
+        assert time.monotonic() - began < 5
+        for encoder in cluster.encoders:
+            encoder.servicer.delay_s = 3.0  # hangs past the deadline
+        with pytest.raises(openai.APIStatusError) as info:
+            cluster.chat(user(image_part(png_bytes(make_image(40, 40, 61))), "?"))
+        assert info.value.status_code == 504
+    finally:
+        cluster.close()
+
+
+def test_image_fetcher_limits(tmp_path):
+    from aiohttp import web
+
+    from services.proxy.image_fetch import ImageFetcher
+
+    picture = png_bytes(make_image(30, 30, 71))
+
+    async def scenario():
+        async def small(request):
+            return web.Response(body=picture)
+
+        async def big(request):
+            return web.Response(body=b"x" * 5000)
+
+        async def slow(request):
+            await asyncio.sleep(2)
+            return web.Response(body=picture)
+
+        app = web.Application()
+        for path, handler in (("/small.png", small), ("/big.png", big), ("/slow.png", slow)):
+            app.router.add_get(path, handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        fetcher = ImageFetcher(max_bytes=4000, timeout_s=0.5)
+        try:
+            assert await fetcher.fetch(base + "/small.png") == picture
+            for path, message in [
+                ("/big.png", "over the limit of 4000 bytes"),
+                ("/missing.png", "returned HTTP 404"),
+                ("/slow.png", "could not fetch image"),
+            ]:
+                with pytest.raises(InvalidRequest, match=message):
+                    await fetcher.fetch(base + path)
+        finally:
+            await fetcher.close()
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_http_image_urls_when_enabled(tiny_checkpoint, tokenizer):
+    from aiohttp import web
+
+    picture = png_bytes(make_image(80, 60, 81))
+
+    async def image(request):
+        return web.Response(body=picture, content_type="image/png")
+
+    async def start_server():
+        app = web.Application()
+        app.router.add_get("/cat.png", image)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return runner
+
+    cluster = ScriptedCluster(tiny_checkpoint, tokenizer, allow_http_image_urls=True)
+    runner = cluster.loop.run(start_server())
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/cat.png"
+        part = {"type": "image_url", "image_url": {"url": url}}
+        reply = cluster.chat(user(part, image_part(picture), "same?"), max_tokens=8)
+        assert reply.choices[0].finish_reason == "stop"
+        [keys] = [k for e in cluster.encoders for k in e.servicer.calls]
+        assert len(keys) == 1  # the fetched file and the data URL are the same picture: one key
+        assert len(cluster.prefill.servicer.requests[0].features) == 2
+        with pytest.raises(openai.BadRequestError, match="returned HTTP 404"):
+            cluster.chat(user({"type": "image_url", "image_url": {"url": url + ".missing"}}), max_tokens=8)
+    finally:
+        cluster.loop.run(runner.cleanup())
+        cluster.close()
+
+
+def test_graceful_shutdown_lets_in_flight_requests_finish(tiny_checkpoint, tokenizer):
+    cluster = ScriptedCluster(tiny_checkpoint, tokenizer)
+    try:
+        cluster.decode.servicer.chunk_delay_s = 0.1
+        with _pool(2) as pool:
+            pending = pool.submit(cluster.chat, user("Hi"), max_tokens=64)
+            time.sleep(0.3)
+            stopping = pool.submit(cluster.loop.run, cluster.proxy.stop())
+            reply = pending.result(timeout=20)
+            stopping.result(timeout=20)
+        assert reply.choices[0].finish_reason == "stop"
+        with pytest.raises(openai.APIConnectionError):
+            cluster.chat(user("Hi"), max_tokens=4)
+    finally:
+        for server in [*cluster.encoders, cluster.prefill, cluster.decode]:
+            cluster.loop.run(server.server.stop(None))
+        cluster.loop.close()
+
+
+def _pool(workers: int):
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(max_workers=workers)
