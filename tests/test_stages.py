@@ -203,3 +203,10 @@ def test_checkpoint_without_index_and_clear_errors(tiny_checkpoint, tmp_path):
     (single / "config.json").write_text(json.dumps({**config, "model_type": "mystery"}))
     with pytest.raises(CheckpointError, match="'mystery'.*not supported"):
         LLMEngine(single, EngineConfig(num_blocks=8))
+
+
+def test_handoff_size_is_known_before_the_copy(tiny_checkpoint, store):
+    prefill = PrefillStage(tiny_checkpoint, EngineConfig(num_blocks=16), store)
+    prefill.submit("r", list(range(1, 30)), GREEDY)
+    [result] = prefill.step()
+    assert prefill.engine.handoff_nbytes("r") == len(result.handoff.to_bytes())

@@ -39,13 +39,12 @@ class KVHandoff:
 
     def to_bytes(self) -> bytes:
         kv = self.kv.contiguous()
-        header = {
-            "state": asdict(self.state),
-            "shape": list(kv.shape),
-            "dtype": str(kv.dtype).removeprefix("torch."),
-        }
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        return MAGIC + struct.pack("<I", len(raw)) + raw + kv.view(torch.uint8).numpy().tobytes()
+        return _prefix(self.state, list(kv.shape), kv.dtype) + kv.view(torch.uint8).numpy().tobytes()
+
+    @staticmethod
+    def wire_size(state: HandoffState, shape: list[int], dtype: torch.dtype) -> int:
+        """len(to_bytes()) of a handoff with this state and K/V shape, without building it."""
+        return len(_prefix(state, shape, dtype)) + dtype.itemsize * _numel(shape)
 
     @staticmethod
     def from_bytes(buf: bytes) -> "KVHandoff":
@@ -64,6 +63,12 @@ class KVHandoff:
             raise KVHandoffError(f"K/V payload is {len(payload)} bytes, header says {expected}")
         kv = torch.frombuffer(bytearray(payload), dtype=dtype).view(shape)
         return KVHandoff(HandoffState(**header["state"]), kv)
+
+
+def _prefix(state: HandoffState, shape: list[int], dtype: torch.dtype) -> bytes:
+    header = {"state": asdict(state), "shape": shape, "dtype": str(dtype).removeprefix("torch.")}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return MAGIC + struct.pack("<I", len(raw)) + raw
 
 
 def _numel(shape: list[int]) -> int:

@@ -19,14 +19,12 @@ from typing import Any, TypeVar
 
 from services.common.errors import FeatureTimeoutError
 from services.engine.llm_engine import LLMEngine
-from services.engine.sequence import FinishReason, RequestError, StepOutput
+from services.engine.sequence import ErrorKind, FinishReason, RequestError, StepOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _STALL_FIRST_S = 0.002
 _STALL_MAX_S = 0.05
-# LLMEngine words its feature-timeout failure this way; it reports it as a plain error string.
-_FEATURE_TIMEOUT_MARK = "did not arrive in the EC store"
 
 
 @dataclass(frozen=True, eq=False)
@@ -196,7 +194,7 @@ class RequestStream:
         if item.finished:
             self._done = True
         if item.finish_reason is FinishReason.ERROR:
-            raise engine_error(item.error or "the engine failed this request")
+            raise engine_error(item)
         return item
 
     async def __aiter__(self) -> AsyncIterator[StepOutput]:
@@ -215,8 +213,9 @@ class RequestStream:
             self._loop.close(self.request_id, self._sink, abort=not self._kept)
 
 
-def engine_error(message: str) -> Exception:
-    if _FEATURE_TIMEOUT_MARK in message:
+def engine_error(output: StepOutput) -> Exception:
+    message = output.error or "the engine failed this request"
+    if output.error_kind is ErrorKind.FEATURE_TIMEOUT:
         return FeatureTimeoutError(message)
     return RequestError(message)
 

@@ -17,4 +17,4 @@ KV_PULL_BYTES = Counter("epd_decode_kv_pull_bytes", "KV bytes pulled from prefil
 
 def observe(engine: LLMEngine) -> None:
     """Engine-thread hook: refresh the gauge."""
-    RUNNING.set(len(engine.scheduler.running))
+    RUNNING.set(engine.num_running)

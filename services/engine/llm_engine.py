@@ -24,6 +24,7 @@ from services.engine.model_runner import ModelRunner
 from services.engine.sampler import sample
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import (
+    ErrorKind,
     FeatureSpec,
     FinishReason,
     RequestError,
@@ -113,7 +114,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[StepOutput]:
-        outputs = [self._fail(s, self._timeout_message(s)) for s in self.scheduler.expired()]
+        outputs = [self._fail(s, self._timeout_message(s), ErrorKind.FEATURE_TIMEOUT) for s in self.scheduler.expired()]
         self._import_pending()
         batch = self.scheduler.schedule()
         if batch is None:
@@ -140,19 +141,15 @@ class LLMEngine:
     # ------------------------------------------------------------------ KV handoff out
 
     def export_handoff(self, request_id: str) -> KVHandoff:
-        seq = self.seqs.get(request_id)
-        if seq is None or seq.status is not Status.AWAITING_HANDOFF:
-            raise KeyError(f"request {request_id} has no KV awaiting handoff")
-        state = HandoffState(
-            request_id=seq.request_id,
-            prompt_ids=seq.prompt_ids,
-            output_ids=seq.output_ids,
-            sampling=asdict(seq.sampling),
-            mrope_delta=seq.mrope_delta,
-            num_cached=seq.num_cached,
-            model=self.fingerprint,
-        )
-        return KVHandoff(state, self.runner.read_kv(seq.block_table, seq.num_cached))
+        seq = self._held(request_id)
+        return KVHandoff(self._handoff_state(seq), self.runner.read_kv(seq.block_table, seq.num_cached))
+
+    def handoff_nbytes(self, request_id: str) -> int:
+        """Size of export_handoff(request_id).to_bytes(), without copying the K/V."""
+        seq = self._held(request_id)
+        cfg = self.model_cfg
+        shape = [cfg.num_layers, 2, seq.num_cached, cfg.num_kv_heads, cfg.head_dim]
+        return KVHandoff.wire_size(self._handoff_state(seq), shape, self.runner.kv_cache.dtype)
 
     def resume(self, request_id: str) -> None:
         """PD worker: decode a held sequence here, its KV already in this engine's pool."""
@@ -167,7 +164,33 @@ class LLMEngine:
         if seq is not None:
             self.scheduler.finish(seq)
 
+    @property
+    def num_waiting(self) -> int:
+        """Prompts queued for prefill, including those waiting for embeddings."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
     # ------------------------------------------------------------------ internals
+
+    def _held(self, request_id: str) -> Sequence:
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status is not Status.AWAITING_HANDOFF:
+            raise KeyError(f"request {request_id} has no KV awaiting handoff")
+        return seq
+
+    def _handoff_state(self, seq: Sequence) -> HandoffState:
+        return HandoffState(
+            request_id=seq.request_id,
+            prompt_ids=seq.prompt_ids,
+            output_ids=seq.output_ids,
+            sampling=asdict(seq.sampling),
+            mrope_delta=seq.mrope_delta,
+            num_cached=seq.num_cached,
+            model=self.fingerprint,
+        )
 
     def _validate(self, seq: Sequence) -> None:
         if not seq.prompt_ids:
@@ -215,7 +238,7 @@ class LLMEngine:
                 features[seq.request_id] = fetch_features(self.ec, seq.features, width) if seq.features else []
                 ok.append(seq)
             except RequestError as exc:
-                outputs.append(self._fail(seq, str(exc)))
+                outputs.append(self._fail(seq, str(exc), ErrorKind.INVALID))
         return ok, features
 
     def _append(self, seq: Sequence, token: int, after_prefill: bool) -> StepOutput:
@@ -242,10 +265,10 @@ class LLMEngine:
         self.seqs.pop(seq.request_id, None)
         self._ready.discard(seq.request_id)
 
-    def _fail(self, seq: Sequence, message: str) -> StepOutput:
+    def _fail(self, seq: Sequence, message: str, kind: ErrorKind) -> StepOutput:
         seq.error = message
         self._finish(seq, FinishReason.ERROR)
-        return StepOutput(seq.request_id, [], True, FinishReason.ERROR, message)
+        return StepOutput(seq.request_id, [], True, FinishReason.ERROR, message, kind)
 
     def _check_handoff(self, handoff: KVHandoff) -> None:
         if self.config.role == "prefill":

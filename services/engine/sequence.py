@@ -55,6 +55,11 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+class ErrorKind(str, enum.Enum):
+    INVALID = "invalid"  # the request cannot be served as given (e.g. embeddings don't fit the prompt)
+    FEATURE_TIMEOUT = "feature_timeout"  # its embeddings did not reach the EC store in time
+
+
 class FinishReason(str, enum.Enum):
     LENGTH = "length"
     STOP = "stop"
@@ -78,6 +83,7 @@ class Sequence:
     feature_deadline: float = float("inf")  # monotonic time; waiting past it fails the request
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_kind: ErrorKind | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -105,3 +111,4 @@ class StepOutput:
     finished: bool
     finish_reason: FinishReason | None = None
     error: str | None = None
+    error_kind: ErrorKind | None = None

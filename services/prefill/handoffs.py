@@ -8,18 +8,12 @@ event loop (no locks); the engine is reached only through the EngineLoop.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
-import struct
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from connectors.kv import HandoffState
-from connectors.kv.handoff import MAGIC
 from services.common.engine_loop import EngineLoop
 from services.common.errors import HandoffNotFoundError
-from services.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -77,25 +71,3 @@ class HeldHandoffs:
             f"KV handoff {handoff_id!r} is not held here: it was released already, or it was not released "
             f"within --kv-hold-timeout-s ({self._timeout_s:g} s) and its KV was freed"
         )
-
-
-def wire_size(engine: LLMEngine, request_id: str) -> int:
-    """len(engine.export_handoff(request_id).to_bytes()), computed without copying the K/V.
-
-    Mirrors LLMEngine.export_handoff and KVHandoff.to_bytes (a test pins the equality).
-    """
-    seq = engine.seqs[request_id]
-    state = HandoffState(
-        request_id=seq.request_id,
-        prompt_ids=seq.prompt_ids,
-        output_ids=seq.output_ids,
-        sampling=asdict(seq.sampling),
-        mrope_delta=seq.mrope_delta,
-        num_cached=seq.num_cached,
-        model=engine.fingerprint,
-    )
-    cfg, dtype = engine.model_cfg, engine.runner.kv_cache.dtype
-    shape = [cfg.num_layers, 2, seq.num_cached, cfg.num_kv_heads, cfg.head_dim]
-    header = {"state": asdict(state), "shape": shape, "dtype": str(dtype).removeprefix("torch.")}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    return len(MAGIC) + struct.calcsize("<I") + len(raw) + math.prod(shape) * dtype.itemsize

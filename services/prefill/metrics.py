@@ -18,4 +18,4 @@ WAITING = Gauge("epd_prefill_waiting_requests", "Prompts queued for prefill (inc
 def observe(engine: LLMEngine) -> None:
     """Engine-thread hook: refresh the gauges."""
     HELD_HANDOFFS.set(engine.num_held())
-    WAITING.set(len(engine.scheduler.waiting))
+    WAITING.set(engine.num_waiting)

@@ -15,7 +15,7 @@ from services.common.engine_loop import EngineLoop
 from services.common.errors import HandoffNotFoundError
 from services.engine.llm_engine import LLMEngine
 from services.prefill import metrics
-from services.prefill.handoffs import HeldHandoffs, wire_size
+from services.prefill.handoffs import HeldHandoffs
 from services.rpc import epd_pb2, epd_pb2_grpc
 
 
@@ -53,7 +53,7 @@ class PrefillServicer(epd_pb2_grpc.PrefillServicer):
             outputs.keep()
             # Registered before the next await: from here on the hold timer frees the KV if all else fails.
             handoff_id = self._handoffs.hold(request_id)
-        nbytes = await self._engine.call(lambda engine: wire_size(engine, request_id))
+        nbytes = await self._engine.call(lambda engine: engine.handoff_nbytes(request_id))
         kv = epd_pb2.KVHandle(address=self._address, handoff_id=handoff_id, nbytes=nbytes)
         return epd_pb2.PrefillResponse(first_token=first.new_token_ids[0], kv=kv)
 
