@@ -1,10 +1,10 @@
 """The proxy without model processes.
 
-Part 1: pure pieces (request parsing, detokenizer, stop strings, replica picking, DNS).
+Part 1: pure pieces (request parsing, config, detokenizer, stop strings, replica picking,
+DNS, the image fetcher).
 Part 2: `python -m services.proxy` as a subprocess whose pool addresses are unreachable:
 every bad input gets its 400 before any RPC, and valid requests fail fast with 503.
-Part 3: the proxy in-process in front of scripted gRPC pools (tests/proxy_pools.py),
-driven with the official openai client and the gRPC Frontend.
+The proxy in front of real pools, and their failures, is in tests/test_proxy_failures.py.
 """
 
 from __future__ import annotations
@@ -25,13 +25,9 @@ import urllib.request
 from pathlib import Path
 
 import grpc
-import openai
 import pytest
 
-from services.multimodal.image_io import ImageLimits
-from services.multimodal.processor import ImageProcessor
-from services.proxy.app import Proxy
-from services.proxy.config import ConfigError, PoolSource, ProxyConfig, parse_config, parse_size
+from services.proxy.config import ConfigError, PoolSource, parse_config, parse_size
 from services.proxy.detokenizer import IncrementalDetokenizer
 from services.proxy.errors import InvalidRequest, StageError
 from services.proxy.openai_format import RequestParser
@@ -40,14 +36,6 @@ from services.proxy.request import SamplingDefaults
 from services.proxy.stop_strings import StopMatcher
 from services.rpc import epd_pb2, epd_pb2_grpc
 from tests.conftest import make_image, png_bytes
-from tests.proxy_pools import (
-    LoopThread,
-    Published,
-    ScriptedDecode,
-    ScriptedEncoder,
-    ScriptedPrefill,
-    serve,
-)
 
 MODEL = "tiny-qwen2_5_vl"
 REPO = Path(__file__).resolve().parents[1]
@@ -279,6 +267,49 @@ def test_dns_replica_set_resolves_and_re_resolves():
     asyncio.run(scenario())
 
 
+def test_image_fetcher_limits(tmp_path):
+    from aiohttp import web
+
+    from services.proxy.image_fetch import ImageFetcher
+
+    picture = png_bytes(make_image(30, 30, 71))
+
+    async def scenario():
+        async def small(request):
+            return web.Response(body=picture)
+
+        async def big(request):
+            return web.Response(body=b"x" * 5000)
+
+        async def slow(request):
+            await asyncio.sleep(2)
+            return web.Response(body=picture)
+
+        app = web.Application()
+        for path, handler in (("/small.png", small), ("/big.png", big), ("/slow.png", slow)):
+            app.router.add_get(path, handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        fetcher = ImageFetcher(max_bytes=4000, timeout_s=0.5)
+        try:
+            assert await fetcher.fetch(base + "/small.png") == picture
+            for path, message in [
+                ("/big.png", "over the limit of 4000 bytes"),
+                ("/missing.png", "returned HTTP 404"),
+                ("/slow.png", "could not fetch image"),
+            ]:
+                with pytest.raises(InvalidRequest, match=message):
+                    await fetcher.fetch(base + path)
+        finally:
+            await fetcher.close()
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
 # =================================================================== part 2: subprocess, unreachable pools
 
 
@@ -479,349 +510,3 @@ def test_bad_flags_exit_2_with_a_message(tiny_checkpoint):
     )
     assert result.returncode == 2
     assert "--prefills is required" in result.stderr
-
-
-# =================================================================== part 3: scripted pools
-
-
-SCRIPT_TEXT = "Hello wörld, 世界 🙂! One STOP two."
-
-
-class ScriptedCluster:
-    """Two encoders, one prefill, one decode (scripted gRPC servers) and the proxy, in one loop thread."""
-
-    def __init__(self, checkpoint: Path, tokenizer, request_timeout_s: float = 10, **config) -> None:
-        self.loop = LoopThread()
-        self.script = tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False) + [
-            tokenizer.convert_tokens_to_ids("<|im_end|>")
-        ]
-        self.published = Published()
-        processor = ImageProcessor.from_pretrained(checkpoint)
-        self.encoders = [self.loop.run(serve(ScriptedEncoder(processor, self.published), _add_encoder)) for _ in "ab"]
-        self.prefill = self.loop.run(serve(ScriptedPrefill(self.script, self.published, ""), _add_prefill))
-        self.prefill.servicer.address = self.prefill.address
-        self.decode = self.loop.run(serve(ScriptedDecode(self.script), epd_pb2_grpc.add_DecodeServicer_to_server))
-        self.config = ProxyConfig(
-            checkpoint=checkpoint,
-            model_name=MODEL,
-            http_port=0,
-            grpc_port=free_port(),
-            encoders=PoolSource("encoder", addresses=tuple(e.address for e in self.encoders)),
-            prefills=PoolSource("prefill", addresses=(self.prefill.address,)),
-            decodes=PoolSource("decode", addresses=(self.decode.address,)),
-            image_limits=ImageLimits(),
-            request_timeout_s=request_timeout_s,
-            health_interval_s=0.1,
-            replica_down_s=0.2,
-            shutdown_grace_s=5,
-            **config,
-        )
-        self.proxy = Proxy(self.config)
-        self.loop.run(self.proxy.start())
-        self.url = f"http://127.0.0.1:{self.proxy.http_port}"
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=30)
-
-    def reset(self) -> None:
-        for encoder in self.encoders:
-            encoder.servicer.calls.clear()
-            encoder.servicer.fail_with, encoder.servicer.delay_s = None, 0.0
-        p, d = self.prefill.servicer, self.decode.servicer
-        p.requests.clear(), p.cancelled.clear(), p.released.clear(), d.handles.clear(), d.cancelled.clear()
-        p.finish_first, d.chunk_delay_s = "", 0.0
-        self.published.keys.clear()
-        deadline = time.monotonic() + 5
-        while not all(pool.serving_count() == len(pool.replicas) for pool in self.proxy.pools):
-            assert time.monotonic() < deadline, "replicas did not come back"
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        self.loop.run(self.proxy.stop())
-        for server in [*self.encoders, self.prefill, self.decode]:
-            self.loop.run(server.server.stop(None))
-        self.loop.close()
-
-    def metric(self, name: str, labels: str = "") -> float:
-        text = self.proxy.metrics.render().decode()
-        match = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+-]+)$", text, re.M)
-        return float(match.group(1)) if match else 0.0
-
-    def chat(self, messages, **kw):
-        return self.client.chat.completions.create(model=MODEL, messages=messages, **kw)
-
-    def stream(self, messages, **kw) -> tuple[str, list]:
-        chunks = list(self.chat(messages, stream=True, **kw))
-        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks
-
-
-def _add_encoder(servicer, server):
-    epd_pb2_grpc.add_EncoderServicer_to_server(servicer, server)
-
-
-def _add_prefill(servicer, server):
-    epd_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
-
-
-@pytest.fixture(scope="module")
-def scripted_cluster(tiny_checkpoint, tokenizer):
-    cluster = ScriptedCluster(tiny_checkpoint, tokenizer)
-    yield cluster
-    cluster.close()
-
-
-@pytest.fixture
-def cluster(scripted_cluster):
-    scripted_cluster.reset()
-    return scripted_cluster
-
-
-def test_text_only_streamed_equals_non_streamed_and_never_contacts_encoders(cluster, tokenizer):
-    expected = tokenizer.decode(cluster.script, skip_special_tokens=True)
-    reply = cluster.chat(user("Hi"), max_tokens=64)
-    assert reply.choices[0].message.content == expected
-    assert reply.choices[0].finish_reason == "stop"
-    assert reply.usage.completion_tokens == len(cluster.script)
-    assert reply.usage.total_tokens == reply.usage.prompt_tokens + len(cluster.script)
-    text, chunks = cluster.stream(user("Hi"), max_tokens=64, stream_options={"include_usage": True})
-    assert text == expected
-    assert chunks[0].choices[0].delta.role == "assistant"
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(cluster.script)
-    assert all(e.servicer.calls == [] for e in cluster.encoders)
-    assert cluster.decode.servicer.cancelled == [] and cluster.prefill.servicer.released == []
-    request = cluster.prefill.servicer.requests[0]
-    assert request.sampling.max_tokens == 64 and request.sampling.top_p == 1.0 and not request.features
-
-
-def test_stop_string_ends_the_request_and_cancels_the_decode_stream(cluster):
-    cluster.decode.servicer.chunk_delay_s = 0.05
-    reply = cluster.chat(user("Hi"), stop=["STOP", "never"])
-    assert reply.choices[0].message.content == "Hello wörld, 世界 🙂! One "
-    assert reply.choices[0].finish_reason == "stop"
-    assert reply.usage.completion_tokens < len(cluster.script)
-    text, _ = cluster.stream(user("Hi"), stop="STOP")
-    assert text == "Hello wörld, 世界 🙂! One "
-    deadline = time.monotonic() + 5
-    while len(cluster.decode.servicer.cancelled) < 2:
-        assert time.monotonic() < deadline, "the decode streams were not cancelled"
-        time.sleep(0.02)
-
-
-def test_prefill_that_finishes_needs_no_decode(cluster, tokenizer):
-    cluster.prefill.servicer.finish_first = "length"
-    reply = cluster.chat(user("Hi"), max_tokens=1)
-    assert reply.choices[0].finish_reason == "length"
-    assert reply.choices[0].message.content == tokenizer.decode(cluster.script[:1])
-    assert reply.usage.completion_tokens == 1 and cluster.decode.servicer.handles == []
-
-
-def test_images_single_flight_and_ec_counters(cluster):
-    shared, other = png_bytes(make_image(90, 60, 11)), png_bytes(make_image(70, 70, 12))
-    for encoder in cluster.encoders:
-        encoder.servicer.delay_s = 0.5  # both requests are in flight together
-    images = cluster.metric("epd_proxy_images_total")
-    with _pool(2) as pool:
-        first = pool.submit(cluster.chat, user(image_part(shared), "a?"), max_tokens=8)
-        time.sleep(0.2)
-        second = pool.submit(cluster.chat, user(image_part(shared), image_part(other), "b?"), max_tokens=8)
-        replies = [first.result(), second.result()]
-    assert all(r.choices[0].finish_reason == "stop" for r in replies)
-    calls = [keys for e in cluster.encoders for keys in e.servicer.calls]
-    assert len(calls) == 2 and sorted(len(k) for k in calls) == [1, 1]  # the shared image was sent once
-    assert len(set(calls[0]) | set(calls[1])) == 2
-    assert cluster.metric("epd_proxy_images_total") == images + 3
-    features = [len(r.features) for r in cluster.prefill.servicer.requests]
-    assert sorted(features) == [1, 2]
-
-
-def test_failed_encode_is_retried_on_another_replica(cluster):
-    broken, healthy = cluster.encoders
-    broken.servicer.fail_with = grpc.StatusCode.UNAVAILABLE
-    healthy.servicer.delay_s = 0.0
-    # Make sure the broken one is picked first: give the healthy one an outstanding-call lead.
-    cluster.proxy.pools.encoders.replicas[healthy.address].picks += 100
-    try:
-        reply = cluster.chat(user(image_part(png_bytes(make_image(50, 80, 21))), "hm?"), max_tokens=8)
-    finally:
-        cluster.proxy.pools.encoders.replicas[healthy.address].picks -= 100
-    assert reply.choices[0].finish_reason == "stop"
-    assert len(broken.servicer.calls) == 1 and len(healthy.servicer.calls) == 1
-
-
-def test_encode_failing_everywhere_gives_503_and_cancels_the_prefill(cluster):
-    for encoder in cluster.encoders:
-        encoder.servicer.fail_with = grpc.StatusCode.UNAVAILABLE
-    with pytest.raises(openai.APIStatusError) as info:
-        cluster.chat(user(image_part(png_bytes(make_image(40, 40, 31))), "?"), max_tokens=8)
-    assert info.value.status_code == 503
-    assert "encode failed" in info.value.message
-    assert sum(len(e.servicer.calls) for e in cluster.encoders) == 2
-    deadline = time.monotonic() + 5
-    while not cluster.prefill.servicer.cancelled:
-        assert time.monotonic() < deadline, "the waiting prefill was not cancelled"
-        time.sleep(0.02)
-    assert cluster.metric("epd_proxy_requests_total", '{status="error"}') >= 1
-
-
-def test_invalid_argument_from_encoder_is_not_retried(cluster):
-    for encoder in cluster.encoders:
-        encoder.servicer.fail_with = grpc.StatusCode.INVALID_ARGUMENT
-    with pytest.raises(openai.BadRequestError, match="encode failed"):
-        cluster.chat(user(image_part(png_bytes(make_image(40, 40, 41))), "?"), max_tokens=8)
-    assert sum(len(e.servicer.calls) for e in cluster.encoders) == 1
-
-
-def test_grpc_generate_matches_http(cluster, tokenizer):
-    async def generate(request):
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{cluster.proxy.grpc_port}") as channel:
-            return [r async for r in epd_pb2_grpc.FrontendStub(channel).Generate(request, timeout=10)]
-
-    image = png_bytes(make_image(64, 48, 51))
-    content = [epd_pb2.ContentPart(image=epd_pb2.ImageInput(data=image)), epd_pb2.ContentPart(text="what?")]
-    request = epd_pb2.GenerateRequest(
-        model=MODEL, messages=[epd_pb2.ChatMessage(role="user", content=content)], max_tokens=16, stop=["STOP"]
-    )
-    replies = asyncio.run(generate(request))
-    http_reply = cluster.chat(user(image_part(image), "what?"), max_tokens=16, stop=["STOP"])
-    assert "".join(r.text for r in replies) == http_reply.choices[0].message.content
-    assert replies[-1].finished and replies[-1].finish_reason == "stop"
-    assert replies[-1].usage.completion_tokens == http_reply.usage.completion_tokens
-    assert replies[-1].usage.prompt_tokens == http_reply.usage.prompt_tokens
-    tokens = [t for r in replies for t in r.token_ids]
-    assert tokens == cluster.script[: len(tokens)]
-
-
-def test_client_going_away_cancels_the_decode_and_releases_the_kv(cluster):
-    cluster.decode.servicer.chunk_delay_s = 0.2
-    body = json.dumps({"model": MODEL, "messages": user("Hi"), "stream": True}).encode()
-    with socket.create_connection(("127.0.0.1", cluster.proxy.http_port)) as sock:
-        head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        sock.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        received = b""
-        while received.count(b"chat.completion.chunk") < 3:  # role, the prefill's token, a decode chunk
-            received += sock.recv(65536)
-    deadline = time.monotonic() + 5
-    cancelled, released = cluster.decode.servicer.cancelled, cluster.prefill.servicer.released
-    while not (cancelled and cancelled[0] in released):
-        assert time.monotonic() < deadline, "the decode stream was not cancelled or the KV not released"
-        time.sleep(0.02)
-
-
-def test_deadline_ends_a_stuck_request_with_504_or_an_sse_error(tiny_checkpoint, tokenizer):
-    cluster = ScriptedCluster(tiny_checkpoint, tokenizer, request_timeout_s=1.0)
-    try:
-        cluster.decode.servicer.chunk_delay_s = 0.4  # the whole script takes longer than the deadline
-        began = time.monotonic()
-        with pytest.raises(openai.APIStatusError) as info:
-            cluster.chat(user("Hi"))
-        assert info.value.status_code == 504 and "decode failed: DEADLINE_EXCEEDED" in info.value.message
-        with pytest.raises(openai.APIError, match="DEADLINE_EXCEEDED"):
-            cluster.stream(user("Hi"))
-        assert time.monotonic() - began < 5
-        for encoder in cluster.encoders:
-            encoder.servicer.delay_s = 3.0  # hangs past the deadline
-        with pytest.raises(openai.APIStatusError) as info:
-            cluster.chat(user(image_part(png_bytes(make_image(40, 40, 61))), "?"))
-        assert info.value.status_code == 504
-    finally:
-        cluster.close()
-
-
-def test_image_fetcher_limits(tmp_path):
-    from aiohttp import web
-
-    from services.proxy.image_fetch import ImageFetcher
-
-    picture = png_bytes(make_image(30, 30, 71))
-
-    async def scenario():
-        async def small(request):
-            return web.Response(body=picture)
-
-        async def big(request):
-            return web.Response(body=b"x" * 5000)
-
-        async def slow(request):
-            await asyncio.sleep(2)
-            return web.Response(body=picture)
-
-        app = web.Application()
-        for path, handler in (("/small.png", small), ("/big.png", big), ("/slow.png", slow)):
-            app.router.add_get(path, handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        base = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        fetcher = ImageFetcher(max_bytes=4000, timeout_s=0.5)
-        try:
-            assert await fetcher.fetch(base + "/small.png") == picture
-            for path, message in [
-                ("/big.png", "over the limit of 4000 bytes"),
-                ("/missing.png", "returned HTTP 404"),
-                ("/slow.png", "could not fetch image"),
-            ]:
-                with pytest.raises(InvalidRequest, match=message):
-                    await fetcher.fetch(base + path)
-        finally:
-            await fetcher.close()
-            await runner.cleanup()
-
-    asyncio.run(scenario())
-
-
-def test_http_image_urls_when_enabled(tiny_checkpoint, tokenizer):
-    from aiohttp import web
-
-    picture = png_bytes(make_image(80, 60, 81))
-
-    async def image(request):
-        return web.Response(body=picture, content_type="image/png")
-
-    async def start_server():
-        app = web.Application()
-        app.router.add_get("/cat.png", image)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return runner
-
-    cluster = ScriptedCluster(tiny_checkpoint, tokenizer, allow_http_image_urls=True)
-    runner = cluster.loop.run(start_server())
-    try:
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}/cat.png"
-        part = {"type": "image_url", "image_url": {"url": url}}
-        reply = cluster.chat(user(part, image_part(picture), "same?"), max_tokens=8)
-        assert reply.choices[0].finish_reason == "stop"
-        [keys] = [k for e in cluster.encoders for k in e.servicer.calls]
-        assert len(keys) == 1  # the fetched file and the data URL are the same picture: one key
-        assert len(cluster.prefill.servicer.requests[0].features) == 2
-        with pytest.raises(openai.BadRequestError, match="returned HTTP 404"):
-            cluster.chat(user({"type": "image_url", "image_url": {"url": url + ".missing"}}), max_tokens=8)
-    finally:
-        cluster.loop.run(runner.cleanup())
-        cluster.close()
-
-
-def test_graceful_shutdown_lets_in_flight_requests_finish(tiny_checkpoint, tokenizer):
-    cluster = ScriptedCluster(tiny_checkpoint, tokenizer)
-    try:
-        cluster.decode.servicer.chunk_delay_s = 0.1
-        with _pool(2) as pool:
-            pending = pool.submit(cluster.chat, user("Hi"), max_tokens=64)
-            time.sleep(0.3)
-            stopping = pool.submit(cluster.loop.run, cluster.proxy.stop())
-            reply = pending.result(timeout=20)
-            stopping.result(timeout=20)
-        assert reply.choices[0].finish_reason == "stop"
-        with pytest.raises(openai.APIConnectionError):
-            cluster.chat(user("Hi"), max_tokens=4)
-    finally:
-        for server in [*cluster.encoders, cluster.prefill, cluster.decode]:
-            cluster.loop.run(server.server.stop(None))
-        cluster.loop.close()
-
-
-def _pool(workers: int):
-    from concurrent.futures import ThreadPoolExecutor
-
-    return ThreadPoolExecutor(max_workers=workers)

@@ -64,9 +64,9 @@ class Proxy:
         for pool in self.pools:
             await pool.start()
         api = HttpApi(self.config, self.parser, self.pipeline, self.pools, self.metrics)
-        self._runner = web.AppRunner(
-            api.app(), handler_cancellation=True, shutdown_timeout=self.config.shutdown_grace_s, access_log=None
-        )
+        # aiohttp reads a timeout <= 0 as "no limit"; gRPC reads grace 0 as "none": keep them the same.
+        grace = max(self.config.shutdown_grace_s, 0.001)
+        self._runner = web.AppRunner(api.app(), handler_cancellation=True, shutdown_timeout=grace, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.http_port)
         await site.start()
