@@ -295,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         workdir=args.workdir,
     )
     cluster = LocalCluster(config)
-    signal.signal(signal.SIGTERM, _interrupt)
+    # Explicit for SIGINT too: a shell that starts us in the background sets it to "ignore".
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _interrupt)
     print("starting the EPD cluster (models load in each process; this takes a little while) ...", flush=True)
     try:
         cluster.start()
