@@ -75,11 +75,25 @@ def main() -> None:
         client = openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0)
         time_cluster(client, cluster.model_name, "image", range(2000, 2002), tokens)  # warm-up
         remote = {kind: time_cluster(client, cluster.model_name, kind, range(n), tokens) for kind in ("text", "image")}
+        stages = stage_means(cluster.metrics("proxy"))
     print(f"{n} sequential requests per kind, {tokens} generated tokens each, tiny checkpoint on CPU")
     print(f"{'kind':<8}{'in-process ms':>15}{'cluster ms':>12}{'added ms':>10}{'ratio':>8}")
     for kind in ("text", "image"):
         a, b = statistics.median(local[kind]) * 1e3, statistics.median(remote[kind]) * 1e3
         print(f"{kind:<8}{a:>15.1f}{b:>12.1f}{b - a:>10.1f}{b / a:>8.2f}")
+    print("proxy stage means over all cluster requests (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in stages.items()))
+
+
+def stage_means(metrics_text: str) -> dict[str, float]:
+    """Mean seconds per stage from the proxy's epd_proxy_stage_seconds histogram, in ms."""
+    sums, counts = {}, {}
+    for line in metrics_text.splitlines():
+        for suffix, into in (("_sum", sums), ("_count", counts)):
+            prefix = f"epd_proxy_stage_seconds{suffix}{{stage=\""
+            if line.startswith(prefix):
+                stage = line[len(prefix) :].split('"', 1)[0]
+                into[stage] = float(line.rsplit(" ", 1)[1])
+    return {stage: 1e3 * sums[stage] / counts[stage] for stage in sums if counts.get(stage)}
 
 
 if __name__ == "__main__":
