@@ -61,6 +61,27 @@ class Service:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def output(self, chars: int | None = 4000) -> str:
+        """The log's last `chars` characters (all of it for None)."""
+        text = self.log.read_text(errors="replace")
+        return text if chars is None else text[-chars:]
+
+    def terminate(self) -> None:
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """SIGTERM, then the exit code (killed and -9 if it does not exit in time)."""
+        if self.alive():
+            self.terminate()
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                return -9
+        return self.process.returncode
+
 
 @dataclass
 class LocalCluster:
@@ -105,13 +126,7 @@ class LocalCluster:
     def stop(self) -> None:
         """Proxy first (it drains its requests), then the pools, then the store."""
         for service in reversed(self.services):
-            if service.alive():
-                service.process.send_signal(signal.SIGTERM)
-                try:
-                    service.process.wait(STOP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    service.process.kill()
-                    service.process.wait()
+            service.stop()
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -222,8 +237,7 @@ class LocalCluster:
 
     def _check_alive(self, service: Service) -> None:
         if not service.alive():
-            tail = service.log.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"{service.name} exited with code {service.process.returncode}:\n{tail}")
+            raise RuntimeError(f"{service.name} exited with code {service.process.returncode}:\n{service.output(2000)}")
 
 
 def free_port() -> int:

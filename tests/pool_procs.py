@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.cluster import Service, free_port
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env() -> dict[str, str]:
@@ -30,20 +23,8 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
 
 
-@dataclass
-class ServiceProcess:
-    name: str
-    process: subprocess.Popen
-    port: int
-    metrics_port: int
-    log: Path
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
+class ServiceProcess(Service):
+    """A pool service (services.cluster.Service: address, output, stop) with gRPC health and metrics helpers."""
 
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.address)
@@ -70,22 +51,6 @@ class ServiceProcess:
 
     def metric(self, name: str, **labels: str) -> float:
         return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
-
-    def terminate(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-
-    def stop(self, timeout_s: float = 40.0) -> int:
-        """SIGTERM, then the exit code (killed and -9 if it does not exit in time)."""
-        if self.process.poll() is None:
-            self.terminate()
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-                return -9
-        return self.process.returncode
 
 
 def spawn(name: str, module: str, args: list[str], workdir: Path) -> ServiceProcess:

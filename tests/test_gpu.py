@@ -2,6 +2,7 @@
 
 Skipped without a GPU (CI has none); run on the lent GPU machine.
 """
+
 import pytest
 import torch
 

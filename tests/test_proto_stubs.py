@@ -1,4 +1,5 @@
 """The checked-in gRPC stubs are exactly what proto/generate.py makes from proto/epd.proto."""
+
 import shutil
 import subprocess
 import sys

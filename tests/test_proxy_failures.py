@@ -14,7 +14,6 @@ replica to be tried first is the first to send images through its proxy.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import http.client
 import http.server
@@ -38,10 +37,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.cluster import ClusterConfig, LocalCluster, Service
+from services.cluster import ClusterConfig, LocalCluster, Service, free_port
 from services.rpc import epd_pb2, epd_pb2_grpc
+from tests.chat import image_part, user
 from tests.conftest import make_image, png_bytes
-from tests.pool_procs import REPO_ROOT, ServiceProcess, clean_env, free_port, spawn, wait_serving
+from tests.pool_procs import REPO_ROOT, ServiceProcess, clean_env, spawn, wait_serving
 
 MODEL = "tiny-qwen2_5_vl"
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
@@ -50,20 +50,6 @@ RETRY_TIMEOUT_S = 4.0  # the `retry` proxy's --request-timeout-s
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
-
-
-def image_part(data: bytes) -> dict:
-    return {"type": "image_url", "image_url": {"url": data_url(data)}}
-
-
-def user(*parts) -> list[dict]:
-    if len(parts) == 1 and isinstance(parts[0], str):
-        return [{"role": "user", "content": parts[0]}]
-    return [{"role": "user", "content": [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]}]
 
 
 def picture(seed: int, width: int = 64, height: int = 48) -> bytes:
@@ -91,14 +77,10 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, message: str, in
 
 
 @dataclass
-class ProxyProc:
-    """A `python -m services.proxy` process."""
+class ProxyProc(Service):
+    """A `python -m services.proxy` process: serves HTTP (and /metrics) on `port`, gRPC on `grpc_port`."""
 
-    name: str
-    process: subprocess.Popen
-    port: int
-    grpc_port: int
-    log: Path
+    grpc_port: int = 0
 
     @property
     def url(self) -> str:
@@ -130,19 +112,9 @@ class ProxyProc:
         except OSError:
             return -1
 
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self, timeout_s: float = 40) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-                return -9
-        return self.process.returncode
+    def output(self, chars: int | None = None) -> str:
+        """The whole log by default: tests search it for what the proxy logged."""
+        return super().output(chars)
 
 
 def spawn_proxy(name: str, workdir: Path, args: list[str]) -> ProxyProc:
@@ -152,7 +124,7 @@ def spawn_proxy(name: str, workdir: Path, args: list[str]) -> ProxyProc:
     env = {**clean_env(), "PYTHONUNBUFFERED": "1"}
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
-    return ProxyProc(name, process, port, grpc_port, log)
+    return ProxyProc(name, process, port, port, log, grpc_port=grpc_port)
 
 
 def wait_healthy(proxy: ProxyProc, timeout_s: float = 120) -> None:
@@ -269,7 +241,7 @@ def rig(tiny_checkpoint, tmp_path_factory) -> Iterator[Rig]:
         for proxy in proxies:
             wait_healthy(proxy)
         p = cluster.proxy
-        main = ProxyProc("proxy", p.process, p.port, cluster.proxy_grpc_port, p.log)
+        main = ProxyProc("proxy", p.process, p.port, p.metrics_port, p.log, grpc_port=cluster.proxy_grpc_port)
         yield Rig(cluster, main, *proxies, bad_encoder=bad)
     finally:
         for s in cluster.services:

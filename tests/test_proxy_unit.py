@@ -10,12 +10,10 @@ The proxy in front of real pools, and their failures, is in tests/test_proxy_fai
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +25,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from services.cluster import free_port
 from services.proxy.config import ConfigError, PoolSource, parse_config, parse_size
 from services.proxy.detokenizer import IncrementalDetokenizer
 from services.proxy.errors import InvalidRequest, StageError
@@ -35,30 +34,11 @@ from services.proxy.replicas import ReplicaSet
 from services.proxy.request import SamplingDefaults
 from services.proxy.stop_strings import StopMatcher
 from services.rpc import epd_pb2, epd_pb2_grpc
+from tests.chat import image_part, user
 from tests.conftest import make_image, png_bytes
 
 MODEL = "tiny-qwen2_5_vl"
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
-
-
-def image_part(data: bytes) -> dict:
-    return {"type": "image_url", "image_url": {"url": data_url(data)}}
-
-
-def user(*parts) -> list[dict]:
-    if len(parts) == 1 and isinstance(parts[0], str):
-        return [{"role": "user", "content": parts[0]}]
-    return [{"role": "user", "content": [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]}]
 
 
 @pytest.fixture(scope="module")
