@@ -9,6 +9,17 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 IMAGE_PAD = "<|image_pad|>"
 
 
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Chat messages as HF's chat template wants them: every image part reduced to a marker."""
+    out = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, list):
+            content = [{"type": "image"} if "image" in p["type"] else p for p in content]
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
 class HFReference:
     def __init__(self, checkpoint_dir, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         self.device = device

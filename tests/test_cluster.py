@@ -18,7 +18,7 @@ import pytest
 from services.cluster import ClusterConfig, LocalCluster, free_port
 from services.rpc import epd_pb2, epd_pb2_grpc
 from tests.conftest import make_image
-from tests.hf_reference import HFReference
+from tests.hf_reference import HFReference, template_messages
 
 MAX_TOKENS = 32
 GREEDY = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}}
@@ -53,16 +53,6 @@ REQUESTS = {
 }
 
 
-def as_template(messages):
-    out = []
-    for m in messages:
-        content = m["content"]
-        if isinstance(content, list):
-            content = [{"type": "image"} if p["type"] == "image_url" else p for p in content]
-        out.append({"role": m["role"], "content": content})
-    return out
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint):
     return HFReference(tiny_checkpoint)
@@ -73,7 +63,7 @@ def expected(reference):
     """HF greedy text and tokens for each request."""
     out = {}
     for name, (messages, images) in REQUESTS.items():
-        tokens = reference.generate(as_template(messages), images, MAX_TOKENS)
+        tokens = reference.generate(template_messages(messages), images, MAX_TOKENS)
         out[name] = (tokens, reference.tokenizer.decode(tokens, skip_special_tokens=True))
     return out
 
@@ -175,7 +165,7 @@ def test_32_concurrent_mixed_requests_each_give_their_alone_output(cluster, refe
     alone = []
     for i, messages in enumerate(distinct):
         pics = [images[i - 4]] if i >= 4 else []
-        tokens = reference.generate(as_template(messages), pics, 16)
+        tokens = reference.generate(template_messages(messages), pics, 16)
         alone.append(reference.tokenizer.decode(tokens, skip_special_tokens=True))
 
     async def run_all():
@@ -240,7 +230,7 @@ def test_killing_an_encoder_mid_run_loses_nothing(cluster, reference):
     for image, (content, error, seconds) in zip(images, results):
         assert seconds < 90  # nothing hangs: it finishes or fails within its deadline
         if error is None:
-            tokens = reference.generate(as_template(user({"type": "image"}, question)), [image], 8)
+            tokens = reference.generate(template_messages(user({"type": "image"}, question)), [image], 8)
             assert content == reference.tokenizer.decode(tokens, skip_special_tokens=True)
         else:
             assert error.status_code in (502, 503, 504) and error.body["message"]

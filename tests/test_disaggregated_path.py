@@ -7,7 +7,7 @@ from services.disaggregated import InProcessEPD
 from services.engine.config import EngineConfig
 from services.engine.sequence import FinishReason, SamplingParams
 from tests.conftest import make_image, png_bytes
-from tests.hf_reference import HFReference
+from tests.hf_reference import HFReference, template_messages
 
 MAX_NEW = 40
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
@@ -47,17 +47,6 @@ def cases():
             [one],
         ),
     }
-
-
-def template_messages(messages):
-    """The same messages as HF's chat template wants them (image parts reduced to a marker)."""
-    out = []
-    for m in messages:
-        content = m["content"]
-        if isinstance(content, list):
-            content = [{"type": "image"} if p["type"] == "image" else p for p in content]
-        out.append({"role": m["role"], "content": content})
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ from connectors.ec import FilesystemECStore
 from services.disaggregated import InProcessEPD
 from services.engine.config import EngineConfig
 from services.engine.sequence import SamplingParams
-from tests.hf_reference import HFReference
-from tests.test_disaggregated_path import cases, template_messages
+from tests.hf_reference import HFReference, template_messages
+from tests.test_disaggregated_path import cases
 
 pytestmark = [
     pytest.mark.gpu,

@@ -53,7 +53,7 @@ class EncoderStage:
         self.device = torch.device(device)
         self.max_batch_patches = max_batch_patches
         self.processor = ImageProcessor.from_pretrained(ckpt.root)
-        self.model_id = vision_identity(ckpt)
+        self.model_id = vision_identity(ckpt.config)
         self.tower = load_vision_tower(ckpt, self.device, dtype)
 
     def key_for(self, image: Image.Image) -> str:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import blake3
 import torch
 from safetensors import safe_open
 
@@ -108,10 +109,8 @@ def _names_in(files: Iterable[Path]) -> Iterable[tuple[str, tuple[Path, str]]]:
                 yield canonical_name(stored), (path, stored)
 
 
-def vision_identity(ckpt: Checkpoint) -> str:
-    """Identity of the vision tower for content keys, computable from config files alone
-    (the proxy holds no weights): model type plus a hash of the vision config."""
-    import blake3
-
-    vision = json.dumps(ckpt.config.get("vision_config", {}), sort_keys=True, separators=(",", ":"))
-    return f"{ckpt.model_type}:{blake3.blake3(vision.encode()).hexdigest()[:16]}"
+def vision_identity(config: dict) -> str:
+    """Identity of the vision tower for content keys, from config.json alone (the proxy holds
+    no weights): model type plus a hash of the vision config."""
+    vision = json.dumps(config.get("vision_config", {}), sort_keys=True, separators=(",", ":"))
+    return f"{config.get('model_type', '')}:{blake3.blake3(vision.encode()).hexdigest()[:16]}"

@@ -16,7 +16,7 @@ from pathlib import Path
 from jinja2 import TemplateError
 
 from services.engine.sequence import RequestError
-from services.models.checkpoint import Checkpoint, vision_identity
+from services.models.checkpoint import vision_identity
 from services.multimodal.image_io import ImageInputError, ImageLimits
 from services.multimodal.processor import ImageProcessor
 from services.multimodal.prompt import ChatPrompt, PromptBuilder
@@ -26,7 +26,7 @@ from services.proxy.errors import InvalidRequest
 def model_identity(checkpoint: Path) -> str:
     """The content-key model id, from config.json alone (the proxy needs no weight files)."""
     config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
-    return vision_identity(Checkpoint(root=checkpoint, config=config, index={}))
+    return vision_identity(config)
 
 
 class PromptWorkers:
